@@ -1,0 +1,66 @@
+"""Build the `accelerate.Accelerator` for a run: every knob goes through Accelerate's own kwargs handlers."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
+
+from .args import TrainingArguments
+from .errors import UserError
+
+_COMM_HOOKS = {
+    "none": DDPCommunicationHookType.NO,
+    "fp16": DDPCommunicationHookType.FP16,
+    "bf16": DDPCommunicationHookType.BF16,
+    "power_sgd": DDPCommunicationHookType.POWER_SGD,
+    "batched_power_sgd": DDPCommunicationHookType.BATCHED_POWER_SGD,
+}
+
+
+def launched_world_size() -> int:
+    """The world size the launcher (accelerate launch / torchrun / SLURM+torchrun) announced."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_accelerator(args: TrainingArguments) -> Accelerator:
+    # On a machine without CUDA, Accelerate only forms a multi-process (gloo) world when told cpu=True;
+    # otherwise every launched process silently becomes its own world of size 1 (measured with accelerate 1.15).
+    cpu = args.use_cpu or (launched_world_size() > 1 and not torch.cuda.is_available())
+    if args.mixed_precision == "fp8" and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        raise UserError("--mixed_precision fp8 needs a GPU with compute capability >= 8.9 (Ada, Hopper or newer) "
+                           "and an fp8 backend (transformer-engine, torchao or MS-AMP); use bf16 here.")
+
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters,
+                                        comm_hook=_COMM_HOOKS[args.ddp_comm_hook])
+    if "power_sgd" in args.ddp_comm_hook:
+        ddp.comm_state_option = {"matrix_approximation_rank": args.powersgd_rank}
+    handlers = [
+        ddp,
+        InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),
+        GradScalerKwargs(),  # dynamic loss scaling with torch's defaults; only used under fp16
+    ]
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision=args.mixed_precision,  # None: ACCELERATE_MIXED_PRECISION from the launcher/config
+        # The Trainer does its own accumulation (item-weighted normalisation needs the window boundaries), so
+        # Accelerate must not divide the loss by the accumulation steps in backward().
+        gradient_accumulation_steps=1,
+        # We step the scheduler once per optimizer update ourselves; Accelerate would step it num_processes times.
+        step_scheduler_with_optimizer=False,
+        dynamo_backend="inductor" if args.torch_compile else None,  # torch.compile, applied by prepare()
+        log_with=args.trackers,
+        project_dir=args.output_dir,
+        kwargs_handlers=handlers,
+        # A sampler seeded from (seed, epoch) alone: the same order on any world size, and resumable.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )

@@ -1,0 +1,183 @@
+"""Run arguments: one dataclass, named like `transformers.TrainingArguments` where the concept is the same.
+
+Parsing is `transformers.HfArgumentParser` (flags, `--help` with defaults, a YAML/JSON file of arguments).
+A recipe adds its own fields in its own dataclass; both are parsed together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
+COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
+NAN_POLICIES = ("stop", "skip")
+
+
+class ArgumentError(ValueError):
+    """A bad argument value. The message names the flag and what to pass instead."""
+
+
+@dataclass
+class TrainingArguments:
+    # --- where things go -----------------------------------------------------------------------------------------
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Folder for metrics.jsonl, run_config.json, checkpoints/, model.safetensors. "
+                                        "Default: output/<recipe name>."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Start over in an output_dir that holds a previous run (its checkpoints "
+                                         "and logs are deleted). Without it such a folder is refused."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "A checkpoint folder, or 'latest' for the newest in output_dir/checkpoints."})
+
+    # --- batch and optimisation ----------------------------------------------------------------------------------
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per micro-batch per process."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per eval batch per process."})
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Micro-batches per optimizer update. Global batch = per_device_train_batch_size"
+                                     " x gradient_accumulation_steps x number of processes."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate of the default AdamW."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay (not on biases/norms)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm to this; 0 = off."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Epochs to train (fractions allowed)."})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer updates to train; > 0 overrides epochs."})
+    lr_scheduler_type: str = field(
+        default="linear", metadata={"help": "A transformers scheduler name: linear, cosine, constant, "
+                                            "constant_with_warmup, polynomial, ..."})
+    warmup_ratio: float = field(default=0.0, metadata={"help": "Warm-up as a fraction of all updates."})
+    warmup_steps: int = field(default=0, metadata={"help": "Warm-up in updates; > 0 overrides warmup_ratio."})
+    seed: int = field(default=42, metadata={"help": "Seed for weights init, data order and augmentation."})
+
+    # --- data ----------------------------------------------------------------------------------------------------
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N train samples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N eval samples."})
+    dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
+    dataloader_drop_last: bool = field(default=False, metadata={"help": "Drop the last incomplete train batch."})
+
+    # --- logging, eval, checkpoints ------------------------------------------------------------------------------
+    logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer updates."})
+    eval_steps: int = field(default=0, metadata={"help": "Evaluate every N updates; 0 = at the end of each epoch."})
+    save_steps: int = field(default=500, metadata={"help": "Checkpoint every N updates; 0 = no checkpoints."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
+    report_to: str = field(
+        default="none", metadata={"help": "Trackers for accelerate's log_with, comma-separated (tensorboard, "
+                                          "wandb, ...), 'all', or 'none'. metrics.jsonl is always written."})
+    run_name: str | None = field(default=None, metadata={"help": "Project/run name given to the trackers."})
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+
+    # --- hardware and numerics -----------------------------------------------------------------------------------
+    mixed_precision: str | None = field(
+        default=None, metadata={"help": "no, fp16, bf16 or fp8. Unset: what the accelerate config says."})
+    use_cpu: bool = field(default=False, metadata={"help": "Train on the CPU even if a GPU is present."})
+    torch_compile: bool = field(default=False, metadata={"help": "torch.compile the model."})
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Activation checkpointing (transformers models)."})
+    sync_batchnorm: bool = field(default=False, metadata={"help": "Convert BatchNorm to SyncBatchNorm (multi-GPU)."})
+    ema_decay: float = field(
+        default=0.0, metadata={"help": "Keep an EMA of the weights with this decay per update (e.g. 0.999) and "
+                                       "evaluate and save it; 0 = off."})
+    nan_policy: str = field(
+        default="stop", metadata={"help": "A non-finite loss: 'stop' the run naming the step, or 'skip' the update "
+                                          "and count it."})
+
+    # --- distributed ---------------------------------------------------------------------------------------------
+    ddp_find_unused_parameters: bool = field(default=False, metadata={"help": "DDP find_unused_parameters."})
+    ddp_comm_hook: str = field(
+        default="none", metadata={"help": "DDP gradient communication hook: none, fp16, bf16, power_sgd, "
+                                          "batched_power_sgd."})
+    powersgd_rank: int = field(default=1, metadata={"help": "matrix_approximation_rank for power_sgd hooks."})
+    ddp_timeout: int = field(
+        default=1800, metadata={"help": "Seconds any collective (and the process-group set-up) may wait for a peer"
+                                        " before the run fails."})
+
+    def __post_init__(self):
+        def bad(flag, msg):
+            raise ArgumentError(f"--{flag}: {msg}")
+
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
+            bad("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}.")
+        if self.ddp_comm_hook not in COMM_HOOKS:
+            bad("ddp_comm_hook", f"{self.ddp_comm_hook!r} is not one of {', '.join(COMM_HOOKS)}.")
+        if self.nan_policy not in NAN_POLICIES:
+            bad("nan_policy", f"{self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}.")
+        from transformers import SchedulerType
+
+        names = [s.value for s in SchedulerType]
+        if self.lr_scheduler_type not in names:
+            bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not one of {', '.join(names)}.")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "logging_steps", "ddp_timeout", "powersgd_rank"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}.")
+        for name in ("eval_steps", "save_steps", "dataloader_num_workers", "warmup_steps"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0, got {getattr(self, name)}.")
+        if not 0.0 <= self.ema_decay < 1.0:
+            bad("ema_decay", f"must be in [0, 1), got {self.ema_decay}.")
+        if not 0.0 <= self.warmup_ratio <= 1.0:
+            bad("warmup_ratio", f"must be in [0, 1], got {self.warmup_ratio}.")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            bad("max_steps", "set --max_steps > 0 or --num_train_epochs > 0.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            bad("save_total_limit", f"must be >= 1, got {self.save_total_limit}.")
+
+    @property
+    def trackers(self) -> list[str] | str | None:
+        names = [t.strip() for t in self.report_to.split(",") if t.strip()]
+        if names in ([], ["none"]):
+            return None
+        return "all" if names == ["all"] else names
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _read_args_file(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ArgumentError(f"Arguments file {path} does not exist.")
+    with open(path) as f:
+        if path.endswith(".json"):
+            data = json.load(f)
+        else:
+            import yaml
+
+            data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ArgumentError(f"Arguments file {path} must hold a mapping of argument names to values.")
+    return data
+
+
+def parse_args(recipe_args_cls: type | None = None, argv: list[str] | None = None,
+               defaults: dict[str, Any] | None = None):
+    """Parse the command line into (TrainingArguments, recipe args or None).
+
+    `argv` may start with a .yaml/.yml/.json file of arguments; flags after it override the file.
+    `defaults` (a recipe's own choices, e.g. its learning rate) replace our defaults and are overridden by both.
+    A bad flag or value exits with status 2 and a message that names it (argparse's convention).
+    """
+    from transformers import HfArgumentParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    classes = [TrainingArguments] + ([recipe_args_cls] if recipe_args_cls is not None else [])
+    parser = HfArgumentParser(classes)
+    known = {a.dest for a in parser._actions}
+    try:
+        preset = dict(defaults or {})
+        if argv and argv[0].endswith((".yaml", ".yml", ".json")):
+            preset.update(_read_args_file(argv.pop(0)))
+        unknown = sorted(set(preset) - known)
+        if unknown:
+            raise ArgumentError(f"unknown argument(s) {', '.join(unknown)} in the arguments file or recipe defaults.")
+        parser.set_defaults(**preset)
+        # argparse itself exits 2 with "unrecognized arguments: --x" for an unknown flag.
+        parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
+    except (ArgumentError, ValueError) as e:
+        parser.error(str(e))
+    targs = parsed[0]
+    return targs, (parsed[1] if recipe_args_cls is not None else None)

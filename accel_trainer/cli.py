@@ -1,0 +1,44 @@
+"""The `accel-trainer` console script.
+
+    accel-trainer train recipes/x.py [training arguments]   run a recipe (same as python recipes/x.py ...)
+    accel-trainer config ...                                 write an accelerate config (the wizard)
+    accel-trainer check ...                                  preflight a config on this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: accel-trainer train RECIPE.py [training arguments]  (RECIPE.py --help lists them)")
+        return 0 if argv else 2
+    from .run import run
+
+    run(argv[0], argv[1:])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="accel-trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="run a recipe file with training arguments", add_help=False)
+    for name, module in (("config", "wizard"), ("check", "preflight")):
+        try:
+            mod = __import__(f"accel_trainer.{module}", fromlist=["add_parser"])
+        except ImportError:
+            continue
+        if hasattr(mod, "add_parser"):
+            mod.add_parser(sub)  # registers the subcommand and sets func=...
+    if argv and argv[0] == "train":
+        return _train(argv[1:])
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""What a run tells the world: console lines and files, from the main process only.
+
+`metrics.jsonl`: one JSON object per log event (`step` = optimizer updates, `epoch`, `elapsed_s`, then metrics
+named like transformers: `loss`, `learning_rate`, `grad_norm`, `eval_loss`, `eval_accuracy`, ...).
+`run_config.json`: the resolved arguments, world size and topology, library versions; written at start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+
+def library_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("accel-trainer", "torch", "accelerate", "transformers", "datasets", "evaluate", "safetensors"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    out["cuda"] = torch.version.cuda or "none"
+    return out
+
+
+def _json_safe(value):
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf; keep them visible rather than crash or drop them
+    return value
+
+
+class Reporter:
+    def __init__(self, accelerator, output_dir: str, quiet: bool = False):
+        self.accelerator = accelerator
+        self.is_main = accelerator.is_main_process
+        self.quiet = quiet
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.start = time.perf_counter()
+
+    def print(self, *msg):
+        if self.is_main and not self.quiet:
+            print(*msg, flush=True)
+
+    def write_run_config(self, path: str, config: dict):
+        if self.is_main:
+            with open(path, "w") as f:
+                json.dump(config, f, indent=2, default=str)
+
+    def log(self, metrics: dict, step: int, epoch: float, progress=None) -> dict:
+        """Append one event to metrics.jsonl, send it to the trackers, show it. Returns the event."""
+        event = {"step": step, "epoch": round(epoch, 4), "elapsed_s": round(time.perf_counter() - self.start, 3)}
+        event.update({k: _json_safe(v) for k, v in metrics.items()})
+        if self.is_main:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in event.items())
+            if progress is not None:
+                progress.write(shown)
+            elif not self.quiet:
+                print(shown, flush=True)
+        if self.accelerator.trackers:
+            self.accelerator.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=step)
+        return event
+
+
+def topology(accelerator) -> dict:
+    state = accelerator.state
+    return {
+        "num_processes": accelerator.num_processes,
+        "num_machines": int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("ACCELERATE_NUM_MACHINES", "1")) or 1),
+        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        "distributed_type": str(state.distributed_type.value if hasattr(state.distributed_type, "value")
+                                else state.distributed_type),
+        "backend": getattr(state, "backend", None),
+        "device": str(accelerator.device),
+        "mixed_precision": accelerator.mixed_precision,
+        "hostname": platform.node(),
+        "argv": sys.argv,
+    }
