@@ -77,3 +77,63 @@ def load_metric(name: str, **kwargs) -> evaluate.EvaluationModule:
     if name in BUILTIN:
         return BUILTIN[name](keep_in_memory=True, **kwargs)
     return evaluate.load(name, keep_in_memory=True, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GLUE (issue 4, text recipes: recipes/glue.py). Same config names, inputs and output keys as the Hub's
+# `evaluate.load("glue", task)`: accuracy + F1 for mrpc/qqp, matthews_correlation for cola, pearson + spearmanr
+# for stsb (float predictions), accuracy for the rest.
+GLUE_TASKS = ("sst2", "mnli", "mnli_mismatched", "mnli_matched", "cola", "stsb", "mrpc", "qqp", "qnli", "rte",
+              "wnli", "hans")
+
+
+class Glue(evaluate.Metric):
+    def _info(self):
+        if self.config_name not in GLUE_TASKS:
+            raise KeyError(f"glue: config_name must be one of {', '.join(GLUE_TASKS)}, got {self.config_name!r}.")
+        return _info(f"GLUE metric for {self.config_name}.", "float32" if self.config_name == "stsb" else "int64")
+
+    def _compute(self, predictions, references):
+        p, r = np.asarray(predictions), np.asarray(references)
+        if self.config_name == "cola":
+            return {"matthews_correlation": _matthews(p, r)}
+        if self.config_name == "stsb":
+            return {"pearson": _pearson(p, r), "spearmanr": _pearson(_rank(p), _rank(r))}
+        out = {"accuracy": float((p == r).mean())}
+        if self.config_name in ("mrpc", "qqp"):
+            out["f1"] = _f1(p == 1, r == 1)
+        return out
+
+
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    x, y = x - x.mean(), y - y.mean()
+    denom = np.sqrt((x * x).sum() * (y * y).sum())
+    return float((x * y).sum() / denom) if denom else float("nan")
+
+
+def _rank(x: np.ndarray) -> np.ndarray:
+    """Ranks with ties given their average rank (what Spearman's correlation needs)."""
+    x = np.asarray(x, dtype=np.float64)
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=np.float64)
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return sums[inverse] / counts[inverse]
+
+
+def _matthews(p: np.ndarray, r: np.ndarray) -> float:
+    """Matthews correlation, multi-class form (equals the binary one for two classes); 0 when undefined."""
+    classes = np.unique(np.concatenate([p, r]))
+    c = np.array([[np.sum((r == a) & (p == b)) for b in classes] for a in classes], dtype=np.float64)
+    t, pk, s = c.sum(axis=1), c.sum(axis=0), c.sum()
+    correct = np.trace(c)
+    cov_ytyp = correct * s - (t * pk).sum()
+    cov_ypyp = s * s - (pk * pk).sum()
+    cov_ytyt = s * s - (t * t).sum()
+    denom = np.sqrt(cov_ytyt * cov_ypyp)
+    return float(cov_ytyp / denom) if denom else 0.0
+
+
+BUILTIN["glue"] = Glue
