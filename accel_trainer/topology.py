@@ -1,0 +1,396 @@
+"""Topology: is the world we joined the world the accelerate config describes?
+
+The failures this module exists for are silent ones: `accelerate launch --cpu --num_processes 2` or a
+`MULTI_CPU` config runs ONE process and exits 0; an Accelerator built without `cpu=True` on a machine without
+CUDA makes each launched process its own world of 1; `num_processes` read as "per machine" gives the wrong
+world. `check_world()` turns each of these into a `TopologyError` at start-up, before any training happens.
+
+Where the expected world comes from, in order:
+  1. the `expected` dict the caller passes,
+  2. the `accelerate launch` command line that started this process (parsed with accelerate's own parser,
+     its config file loaded with accelerate's own loader) -- this is the only place the `--cpu` and
+     MULTI_CPU traps are visible, because that launcher passes no topology to the process it starts,
+  3. the torchrun environment (WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE), which is always checked.
+
+It also holds the small helpers shared by the wizard and the `check` command: config validation, ports,
+addresses, the rendezvous timeout flags, and the launch command line for each machine.
+"""
+
+import datetime
+import errno
+import os
+import shlex
+import socket
+from dataclasses import dataclass
+
+from accel_trainer.errors import UserError
+
+# The torchrun rendezvous waits 600 s for missing machines by default. We bound it tighter and say how.
+DEFAULT_RDZV_TIMEOUT_S = 120
+DEFAULT_PORT = 29500
+
+
+class TopologyError(UserError):
+    """The world this process joined is not the world the config describes (or cannot be formed).
+    A UserError (a RuntimeError), so `run()` prints its message as one line and exits 1."""
+
+
+@dataclass
+class World:
+    num_processes: int  # total over all machines
+    num_machines: int
+    processes_per_machine: int
+    source: str  # where these numbers come from, for messages
+    distributed_type: str | None = None  # as the launcher saw it (config or flags)
+    launcher_flags: str | None = None  # e.g. "--cpu", for the fix hint
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading the world: what the config / launcher describes, and what the environment says
+
+
+def world_from_config(config, source="config") -> World:
+    """The world an accelerate `ClusterConfig` describes. `num_processes` is the TOTAL over all machines."""
+    machines = max(int(config.num_machines or 1), 1)
+    total = int(config.num_processes)
+    return World(total, machines, total // machines, source, _dtype(config.distributed_type))
+
+
+def _dtype(value) -> str:
+    return str(getattr(value, "value", value))
+
+
+def _launch_argv_of(cmdline: list[str]) -> list[str] | None:
+    """The arguments after `launch` if `cmdline` is an `accelerate launch` (or accelerate-launch) process."""
+    for i, tok in enumerate(cmdline):
+        base = os.path.basename(tok)
+        if base == "accelerate" and i + 1 < len(cmdline) and cmdline[i + 1] == "launch":
+            return cmdline[i + 2 :]
+        if base == "accelerate-launch" or tok == "accelerate.commands.launch":
+            return cmdline[i + 1 :]
+    return None
+
+
+def launcher_world(max_depth: int = 4) -> World | None:
+    """The world described by the `accelerate launch` that started this process, or None if there is none.
+
+    accelerate's simple launcher (used for `--cpu` and MULTI_CPU) passes no topology to the process it starts,
+    so the only record of `--num_processes 2` is the launcher's own command line: we read it from /proc via
+    psutil (the launcher is our parent, or an ancestor under srun/bash). Best effort: a surprise returns None.
+    """
+    try:
+        import psutil
+
+        proc = psutil.Process()
+        for _ in range(max_depth):
+            proc = proc.parent()
+            if proc is None:
+                return None
+            argv = _launch_argv_of(proc.cmdline())
+            if argv is not None:
+                return world_from_launch_argv(argv, proc.cwd())
+    except Exception:
+        return None
+    return None
+
+
+def world_from_launch_argv(argv: list[str], cwd: str = ".") -> World | None:
+    """The world `accelerate launch <argv>` starts, parsed with accelerate's own parser and config loader."""
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    args, _ = launch_command_parser().parse_known_args(argv)
+    # Same precedence as accelerate's _validate_launch_command: flags win over the config file; the default
+    # config file is read unless --cpu is given.
+    config, path = None, args.config_file
+    if path is not None:
+        path = os.path.join(cwd, path)
+    elif os.path.isfile(default_config_file) and not args.cpu:
+        path = default_config_file
+    if path is not None:
+        config = load_config_from_file(path)
+    total = args.num_processes if args.num_processes is not None else getattr(config, "num_processes", None)
+    if total is None or int(total) < 1:
+        return None  # accelerate will guess from the devices; nothing to compare against
+    machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)
+    if args.cpu:
+        dtype, flags = "MULTI_CPU", "--cpu"
+    elif args.multi_gpu:
+        dtype, flags = "MULTI_GPU", "--multi_gpu"
+    else:
+        dtype, flags = (_dtype(config.distributed_type) if config else "NO"), None
+    src = "`accelerate launch " + " ".join(shlex.quote(a) for a in argv[:14]) + "`"
+    return World(int(total), machines, int(total) // machines, src, dtype, flags)
+
+
+def env_world() -> World | None:
+    """The world torchrun (what `accelerate launch` uses for multi-process runs) formed, from its env vars."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    total = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", total))
+    machines = int(os.environ.get("GROUP_WORLD_SIZE", max(total // max(local, 1), 1)))
+    return World(total, machines, local, "the launcher's environment (WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The check
+
+
+_FIX_ONE_WORLD = (
+    "Fix: on a machine without CUDA, build the Accelerator with `Accelerator(cpu=True)` (the Trainer does this "
+    "when WORLD_SIZE>1 and CUDA is unavailable); on GPUs check that `torch.cuda.is_available()` is True in "
+    "every process (CUDA_VISIBLE_DEVICES, driver)."
+)
+
+
+def _fix_for(expected: World, actual_total: int) -> str:
+    if expected.distributed_type == "MULTI_CPU" and actual_total == 1:
+        how = "`--cpu`" if expected.launcher_flags == "--cpu" else "a `distributed_type: MULTI_CPU` config"
+        return (
+            f"Cause: accelerate launches {how} with its simple launcher, which starts ONE process whatever "
+            "num_processes says. Fix: launch with `--multi_gpu --num_processes N` (torchrun; the Trainer uses "
+            "the CPU with gloo when there is no CUDA), e.g. `accelerate launch --config_file "
+            "accelerate_configs/cpu_2proc.yaml ...`."
+        )
+    if expected.num_processes % expected.num_machines:
+        return (
+            f"Cause: num_processes={expected.num_processes} is not divisible by num_machines="
+            f"{expected.num_machines}; accelerate starts num_processes // num_machines = "
+            f"{expected.num_processes // expected.num_machines} per machine. num_processes is the TOTAL over all "
+            "machines: set it to machines x processes-per-machine (`accel-trainer config` does this)."
+        )
+    return (
+        "Fix: num_processes in the config is the TOTAL over all machines (machines x processes per machine); "
+        "every machine must launch with the same config and its own --machine_rank. Run `accel-trainer check "
+        "--config_file <file>` on each machine to see the topology it describes."
+    )
+
+
+def check_world(accelerator, expected: dict | None = None) -> World:
+    """Stop with a TopologyError when the world this process joined differs from the one it should have joined.
+
+    Call right after creating the Accelerator, on every process (no collective is used, so it cannot hang).
+    `expected` may hold `num_processes` (total), `num_machines` and `processes_per_machine`; without it the
+    `accelerate launch` command line that started us is read (see `launcher_world`). Returns the actual world.
+    """
+    total = int(accelerator.num_processes)
+    env = env_world()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", total))
+    machines = int(os.environ.get("GROUP_WORLD_SIZE", max(total // max(local, 1), 1)))
+    actual = World(total, machines, local, "this Accelerator")
+    here = f"(process {accelerator.process_index}, local {accelerator.local_process_index})"
+
+    # 1. The classic silent failure: the launcher started N processes, each of which formed its own world of 1.
+    if env is not None and env.num_processes > 1 and total == 1:
+        raise TopologyError(
+            f"The launcher started a world of WORLD_SIZE={env.num_processes} processes, but this process "
+            f"{here} joined a world of 1: each process would train alone on the full data and they would "
+            f"overwrite each other's outputs. {_FIX_ONE_WORLD}"
+        )
+    if env is not None and env.num_processes != total:
+        raise TopologyError(
+            f"The launcher says WORLD_SIZE={env.num_processes} but the Accelerator joined a world of {total} "
+            f"{here}. Check for stale WORLD_SIZE/RANK/LOCAL_RANK variables exported in your shell or job script."
+        )
+    rank = os.environ.get("GROUP_RANK")
+    if rank is not None and not 0 <= int(rank) < machines:
+        raise TopologyError(f"Machine rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}).")
+
+    # 2. The world the caller / the launch command / the config file describes.
+    if expected is not None:
+        want_total = int(expected["num_processes"])
+        want_machines = int(expected.get("num_machines", 1))
+        want_local = int(expected.get("processes_per_machine", want_total // want_machines))
+        want = World(want_total, want_machines, want_local, expected.get("source", "the expected topology"))
+    else:
+        want = launcher_world()
+    if want is None:
+        return actual
+    diffs = []
+    if want.num_processes != total:
+        diffs.append(f"total processes: expected {want.num_processes}, joined {total}")
+    if want.num_machines != machines:
+        diffs.append(f"machines: expected {want.num_machines}, joined {machines}")
+    if want.processes_per_machine != local:
+        diffs.append(f"processes on this machine: expected {want.processes_per_machine}, started {local}")
+    if diffs:
+        raise TopologyError(
+            f"The world this process {here} joined differs from the one described by {want.source}: "
+            + "; ".join(diffs)
+            + ". "
+            + _fix_for(want, total)
+        )
+    return actual
+
+
+def process_group_kwargs(timeout_s: float):
+    """Accelerate kwargs handler bounding process-group setup and every collective to `timeout_s` seconds.
+
+    With gloo a collective that waits on a dead peer raises after this timeout; with NCCL the watchdog aborts
+    the communicator after it (TORCH_NCCL_ASYNC_ERROR_HANDLING is on by default in torch >= 2.2).
+    """
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if not timeout_s or timeout_s <= 0:
+        raise ValueError(f"The process-group timeout must be a positive number of seconds, got {timeout_s!r}.")
+    return InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=float(timeout_s)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation shared by the wizard and `accel-trainer check`
+
+
+def validate_config(config, gpus_detected: int | None = None) -> list[str]:
+    """Problems (each naming the fix) with an accelerate ClusterConfig; empty when it is good.
+
+    `gpus_detected`: GPUs on the machine that will run it, or None when unknown (config written elsewhere).
+    """
+    p = []
+    dtype = _dtype(config.distributed_type)
+    total, machines = int(config.num_processes), int(config.num_machines or 1)
+    cpu = bool(config.use_cpu)
+    if machines < 1:
+        p.append(f"num_machines={machines}: must be at least 1.")
+        machines = 1
+    if total < 1:
+        p.append(f"num_processes={total}: must be at least 1 (it is the TOTAL over all machines).")
+    elif total % machines:
+        p.append(
+            f"num_processes={total} is not a multiple of num_machines={machines}: it is the TOTAL over all "
+            f"machines and accelerate would start {total // machines} per machine. Use machines x per-machine."
+        )
+    if dtype == "MULTI_CPU" and total > 1 and not config.mpirun_config:
+        p.append(
+            "distributed_type MULTI_CPU with num_processes>1 is launched by accelerate as ONE process (its simple "
+            "launcher); use distributed_type MULTI_GPU with use_cpu: true (see accelerate_configs/cpu_2proc.yaml)."
+        )
+    if dtype == "NO" and total > 1:
+        p.append(f"distributed_type NO runs one process but num_processes={total}; use MULTI_GPU.")
+    if dtype == "MULTI_GPU" and total < 2:
+        p.append("distributed_type MULTI_GPU needs num_processes >= 2 (accelerate refuses it); use NO for one.")
+    if not 0 <= int(config.machine_rank or 0) < machines:
+        p.append(f"machine_rank={config.machine_rank} out of range for {machines} machines (0..{machines - 1}).")
+    port = config.main_process_port
+    if port is not None and not 0 <= int(port) <= 65535:
+        p.append(f"main_process_port={port} is out of range (1..65535; 0 means pick a free one, one machine only).")
+    if machines > 1:
+        if not config.main_process_ip:
+            p.append("main_process_ip is required with several machines: the address of machine 0 as seen by all.")
+        if not port:
+            p.append("main_process_port is required with several machines (a fixed port open on machine 0).")
+    if config.rdzv_backend not in ("static", "c10d"):
+        p.append(f"rdzv_backend={config.rdzv_backend!r}: use 'static' (fixed machines) or 'c10d' (elastic).")
+    mp = str(config.mixed_precision or "no")
+    if cpu:
+        if dtype in ("FSDP", "DEEPSPEED"):
+            p.append(f"{dtype} on CPU is not supported here; on CPU use DDP (distributed_type MULTI_GPU, use_cpu).")
+        if mp == "fp16":
+            p.append("fp16 mixed precision needs a GPU; on CPU use bf16 or no.")
+    elif gpus_detected is not None:
+        per = total // machines if total >= 1 else 0
+        if gpus_detected == 0:
+            p.append(
+                "This is a GPU topology but no GPU is visible here; for CPU set use_cpu (wizard: --cpu), or pass "
+                "--skip-device-check if the config is for other machines."
+            )
+        elif per > gpus_detected:
+            p.append(
+                f"{per} processes per machine but only {gpus_detected} GPUs are visible here: one process per GPU. "
+                "Lower the per-machine count, or pass --skip-device-check if the config is for other machines."
+            )
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Network helpers: every one of them is bounded
+
+
+def port_free(port: int, host: str = "") -> tuple[bool, str]:
+    """Can this machine listen on `port`? (False, why) when busy or when `host` is not a local address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False, f"port {port} is already in use on this machine (another run or service)"
+            if e.errno == errno.EADDRNOTAVAIL:
+                return False, f"{host} is not an address of this machine, so machine 0 cannot listen on it"
+            return False, f"cannot listen on {host or '*'}:{port}: {e}"
+    return True, f"port {port} is free"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reachable(host: str, port: int, timeout_s: float = 5.0) -> tuple[bool, str]:
+    """Is `host` reachable on `port` within `timeout_s`? A refused connection still proves the host is up."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return False, f"cannot resolve {host!r}: {e}. Check the name / use the IP address of machine 0."
+    addr = infos[0][4]
+    try:
+        with socket.create_connection(addr[:2], timeout=timeout_s):
+            return True, f"{host}:{port} accepts connections (machine 0 is listening)"
+    except ConnectionRefusedError:
+        return True, f"{host} is reachable; nothing listens on port {port} yet (start machine 0)"
+    except (TimeoutError, socket.timeout):
+        return False, (
+            f"no answer from {host}:{port} within {timeout_s:.0f} s: wrong address, host down, or a firewall "
+            f"dropping the port (open TCP {port} on machine 0)"
+        )
+    except OSError as e:
+        return False, f"cannot reach {host}:{port}: {e} (check the address and the route/interface)"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch command lines
+
+
+def rdzv_conf(backend: str, timeout_s: int) -> str:
+    """The torchrun `--rdzv_conf` value bounding the wait for missing machines.
+
+    static: machine 0 hosts a TCPStore that waits `timeout` seconds for the others (torch default 600 s),
+    then fails with "Timed out after N seconds waiting for clients. k/n clients joined.".
+    c10d: `join_timeout` bounds the rendezvous (default 600 s), then RendezvousTimeoutError.
+    An accelerate config file cannot hold this (ClusterConfig has no field), so it goes on the command line.
+    """
+    return f"timeout={int(timeout_s)}" if backend == "static" else f"join_timeout={int(timeout_s)}"
+
+
+def launch_command(
+    config_path: str,
+    config,
+    machine_rank: int = 0,
+    script: str = "recipes/<recipe>.py",
+    rdzv_timeout_s: int = DEFAULT_RDZV_TIMEOUT_S,
+    max_restarts: int = 0,
+) -> str:
+    """The `accelerate launch` line to run on machine `machine_rank` (one config file for all machines)."""
+    cmd = ["accelerate", "launch", "--config_file", config_path]
+    if int(config.num_machines or 1) > 1:
+        cmd += ["--machine_rank", str(machine_rank), "--rdzv_conf", rdzv_conf(config.rdzv_backend, rdzv_timeout_s)]
+    if max_restarts:
+        cmd += ["--max_restarts", str(max_restarts)]
+    return " ".join(shlex.quote(c) for c in cmd) + f" {script} --output_dir runs/<name>"
+
+
+def describe(config) -> str:
+    """One paragraph saying what a config means, in the words people get wrong."""
+    w = world_from_config(config)
+    kind = "CPU" if config.use_cpu else "GPU"
+    lines = [
+        f"{w.num_machines} machine(s) x {w.processes_per_machine} {kind} process(es) per machine = "
+        f"{w.num_processes} processes in total (num_processes is the total)",
+        f"distributed_type {w.distributed_type}, backend {'gloo' if config.use_cpu else 'nccl'}, "
+        f"mixed precision {config.mixed_precision or 'no'}",
+    ]
+    if w.num_machines > 1:
+        lines.append(
+            f"rendezvous {config.rdzv_backend} at {config.main_process_ip}:{config.main_process_port} (machine 0)"
+        )
+    return "\n".join(lines)

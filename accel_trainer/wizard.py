@@ -1,0 +1,315 @@
+"""`accel-trainer config`: describe your hardware once, get an accelerate config that is right.
+
+Asks what a person knows -- machines, processes (GPUs) *per machine*, where machine 0 is -- and writes
+`accelerate_configs/<name>.yaml` with accelerate's own `ClusterConfig`, so `accelerate launch` reads exactly
+what we wrote. One file serves every machine; the machine rank is given at launch. Prints the launch line for
+each machine and, on request, a SLURM batch script. Interactive at a terminal, flags for scripts:
+
+    accel-trainer config --machines 2 --gpus-per-machine 8 --mixed-precision bf16 --rdzv c10d \
+        --main-ip 10.0.0.1 --name 2x8_c10d --slurm
+"""
+
+import argparse
+import os
+import socket
+import sys
+
+from accel_trainer import topology
+
+MIXED = ("no", "bf16", "fp16")
+SHARDING = ("none", "fsdp", "deepspeed")
+
+# FSDP2 basics; TRANSFORMER_BASED_WRAP wraps each block listed in a transformers model's `_no_split_modules`.
+FSDP_CONFIG = {
+    "fsdp_version": 2,
+    "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    "fsdp_reshard_after_forward": True,
+    "fsdp_offload_params": False,
+    "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    "fsdp_cpu_ram_efficient_loading": False,
+    "fsdp_activation_checkpointing": False,
+}
+
+
+def detect() -> dict:
+    """What this machine has, to offer as defaults."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "gpus": gpus,
+        "gpu_name": torch.cuda.get_device_name(0) if gpus else None,
+        "bf16": bool(gpus and torch.cuda.is_bf16_supported()),
+        "cpus": os.cpu_count() or 1,
+    }
+
+
+def build_config(
+    machines=1,
+    per_machine=1,
+    cpu=False,
+    main_ip=None,
+    main_port=None,
+    rdzv="static",
+    mixed_precision="no",
+    compile=False,
+    sharding="none",
+    zero_stage=2,
+):
+    """An accelerate ClusterConfig for the topology. Never MULTI_CPU: accelerate launches that as ONE process;
+    several CPU processes are MULTI_GPU-typed with use_cpu, which goes through torchrun and forms a real world."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    total = machines * per_machine
+    if sharding == "fsdp":
+        dtype = "FSDP"
+    elif sharding == "deepspeed":
+        dtype = "DEEPSPEED"
+    else:
+        dtype = "MULTI_GPU" if total > 1 else "NO"
+    return ClusterConfig(
+        compute_environment="LOCAL_MACHINE",
+        distributed_type=dtype,
+        mixed_precision=mixed_precision,
+        use_cpu=cpu,
+        debug=False,
+        num_processes=total,
+        num_machines=machines,
+        machine_rank=0,
+        main_process_ip=main_ip if machines > 1 else None,
+        main_process_port=main_port if (machines > 1 or main_port) else None,
+        rdzv_backend=rdzv,
+        same_network=False,
+        fsdp_config=dict(FSDP_CONFIG) if sharding == "fsdp" else {},
+        deepspeed_config={"zero_stage": zero_stage, "offload_optimizer_device": "none",
+                          "offload_param_device": "none"} if sharding == "deepspeed" else {},
+        dynamo_config={"dynamo_backend": "INDUCTOR"} if compile else {},
+    )
+
+
+def slurm_script(config_path, config, script, rdzv_timeout_s, max_restarts=0, job_name="accel-trainer") -> str:
+    """A batch script: one `accelerate launch` per node via srun; the rank comes from SLURM_NODEID *on that
+    node* (single quotes: expanded by each task, not once on the batch host -- the every-node-is-rank-0 bug)."""
+    per = config.num_processes // config.num_machines
+    gres = "" if config.use_cpu else f"#SBATCH --gpus-per-node={per}\n"
+    restarts = f" --max_restarts {max_restarts}" if max_restarts else ""
+    return f"""#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={config.num_machines}
+#SBATCH --ntasks-per-node=1
+{gres}#SBATCH --output=%x-%j.out
+# One launcher per node; each starts {per} process(es). Extra arguments go to the training script.
+set -euo pipefail
+export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MAIN_PORT={config.main_process_port or topology.DEFAULT_PORT}
+srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --config_file {config_path} \\
+    --machine_rank "$SLURM_NODEID" \\
+    --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \\
+    --rdzv_backend {config.rdzv_backend} --rdzv_conf {topology.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}{restarts} \\
+    {script} "$@"' _ "$@"
+"""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def ask(question, default, parse=str, check=None, why=""):
+    """Ask until the answer parses (and passes `check`); an empty answer takes the default."""
+    while True:
+        try:
+            raw = input(f"{question} [{default}]: ").strip()
+        except EOFError:
+            raise SystemExit("config: input ended before all questions were answered; nothing written.")
+        try:
+            value = parse(raw) if raw else (parse(str(default)) if not isinstance(default, bool) else default)
+            if check is None or check(value):
+                return value
+        except ValueError:
+            pass
+        print(f"  not valid: {why or 'try again'}")
+
+
+def yes_no(raw: str) -> bool:
+    if raw.lower() in ("y", "yes", "true", "1"):
+        return True
+    if raw.lower() in ("n", "no", "false", "0"):
+        return False
+    raise ValueError(raw)
+
+
+def interactive(a, hw):
+    """Fill the flags in `a` from prompts; flags already given become the defaults."""
+    print("accel-trainer config: describe the machines this will run on (Enter takes the [default]).")
+    gpu_line = f"{hw['gpus']} x {hw['gpu_name']}" if hw["gpus"] else "no GPU"
+    print(f"Detected here: {gpu_line}, bf16 {'yes' if hw['bf16'] else 'no'}, {hw['cpus']} CPU cores.")
+    a.machines = ask("How many machines?", a.machines or 1, int, lambda v: v >= 1, "a whole number >= 1")
+    a.cpu = not ask("Use GPUs? (yes/no)", "no" if a.cpu or not hw["gpus"] else "yes", yes_no, why="yes or no")
+    what = "CPU processes" if a.cpu else "GPUs (processes)"
+    a.per_machine = ask(f"How many {what} per machine?", a.per_machine or (1 if a.cpu else max(hw["gpus"], 1)),
+                        int, lambda v: v >= 1, "a whole number >= 1")
+    if a.machines > 1:
+        a.main_ip = ask("Address of machine 0, as every machine reaches it?", a.main_ip or _my_address(),
+                        str, lambda v: bool(v), "an IP address or host name")
+        a.main_port = ask("Port on machine 0 for the rendezvous?", a.main_port or topology.DEFAULT_PORT,
+                          int, lambda v: 1 <= v <= 65535, "a port number 1..65535")
+        a.rdzv = ask("Rendezvous: static (fixed machines) or c10d (elastic, restarts)?", a.rdzv or "static",
+                     str, lambda v: v in ("static", "c10d"), "static or c10d")
+        a.rdzv_timeout = ask("Seconds to wait for all machines to join?", a.rdzv_timeout, int,
+                             lambda v: v > 0, "a positive number of seconds")
+        if a.rdzv == "c10d":
+            a.max_restarts = ask("Restarts allowed after a worker fails?", a.max_restarts, int,
+                                 lambda v: v >= 0, "a whole number >= 0")
+    mp_default = a.mixed_precision or ("bf16" if hw["bf16"] and not a.cpu else "no")
+    a.mixed_precision = ask("Mixed precision (no/bf16/fp16)?", mp_default, str, lambda v: v in MIXED,
+                            "no, bf16 or fp16")
+    a.compile = ask("Use torch.compile? (yes/no)", "yes" if a.compile else "no", yes_no, why="yes or no")
+    if not a.cpu:
+        a.sharding = ask("Shard the model: none, fsdp or deepspeed?", a.sharding, str,
+                         lambda v: v in SHARDING, "none, fsdp or deepspeed")
+        if a.sharding == "deepspeed":
+            a.zero_stage = ask("DeepSpeed ZeRO stage (0-3)?", a.zero_stage, int, lambda v: 0 <= v <= 3, "0..3")
+    a.name = ask("Config name?", a.name or default_name(a), str, lambda v: v and "/" not in v, "a file name")
+    if a.machines > 1:
+        a.slurm = ask("Also write a SLURM batch script? (yes/no)", "yes" if a.slurm else "no", yes_no,
+                      why="yes or no")
+    return a
+
+
+def _my_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def default_name(a) -> str:
+    kind = "cpu" if a.cpu else "gpu"
+    name = f"{a.machines}x{a.per_machine}{kind}"
+    if a.machines > 1:
+        name += f"_{a.rdzv}"
+    if a.sharding != "none":
+        name += f"_{a.sharding}"
+    if a.mixed_precision and a.mixed_precision != "no":
+        name += f"_{a.mixed_precision}"
+    return name
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--name", help="config name; written to <dir>/<name>.yaml (default: from the topology)")
+    p.add_argument("--dir", default="accelerate_configs", help="where to write (default: accelerate_configs)")
+    p.add_argument("--machines", type=int, help="number of machines (nodes)")
+    p.add_argument("--gpus-per-machine", "--processes-per-machine", dest="per_machine", type=int,
+                   help="processes per machine: GPUs per machine, or CPU processes with --cpu")
+    p.add_argument("--cpu", action="store_true", help="CPU processes (gloo) instead of GPUs")
+    p.add_argument("--main-ip", help="address of machine 0 as all machines reach it (several machines)")
+    p.add_argument("--main-port", type=int, help=f"rendezvous port on machine 0 (default {topology.DEFAULT_PORT})")
+    p.add_argument("--rdzv", choices=("static", "c10d"), default=None, help="rendezvous backend (default static)")
+    p.add_argument("--rdzv-timeout", type=int, default=topology.DEFAULT_RDZV_TIMEOUT_S,
+                   help="seconds to wait for all machines to join (goes on the launch line)")
+    p.add_argument("--max-restarts", type=int, default=0, help="worker restarts after a failure (c10d)")
+    p.add_argument("--mixed-precision", choices=MIXED, help="default: bf16 where supported, else no")
+    p.add_argument("--compile", action="store_true", help="torch.compile (inductor)")
+    p.add_argument("--fsdp", dest="sharding", action="store_const", const="fsdp", default="none")
+    p.add_argument("--deepspeed", dest="sharding", action="store_const", const="deepspeed")
+    p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage")
+    p.add_argument("--slurm", action="store_true", help="also write <dir>/<name>.slurm.sh")
+    p.add_argument("--script", default="recipes/<recipe>.py", help="training script shown in launch lines")
+    p.add_argument("--skip-device-check", action="store_true",
+                   help="the config is for other machines: do not compare with the GPUs detected here")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.add_argument("--interactive", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask questions (default: when run at a terminal without --machines)")
+
+
+def run(a) -> int:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    hw = detect()
+    if a.interactive is None:
+        a.interactive = sys.stdin.isatty() and a.machines is None
+    if a.interactive:
+        interactive(a, hw)
+    a.machines = a.machines or 1
+    a.per_machine = a.per_machine or (1 if a.cpu or not hw["gpus"] else hw["gpus"])
+    a.rdzv = a.rdzv or "static"
+    if a.mixed_precision is None:
+        a.mixed_precision = "bf16" if hw["bf16"] and not a.cpu else "no"
+    if a.machines > 1 and a.main_port is None:
+        a.main_port = topology.DEFAULT_PORT
+    if a.machines > 1 and not a.main_ip:
+        return _refuse(["--main-ip is required with several machines: the address of machine 0 as every "
+                        "machine reaches it (e.g. its cluster-network IP)."])
+    if a.cpu and a.sharding != "none":
+        return _refuse([f"{a.sharding.upper()} on CPU is not supported here; on CPU use plain DDP (drop --{a.sharding})."])
+    if a.rdzv_timeout <= 0:
+        return _refuse([f"--rdzv-timeout {a.rdzv_timeout}: must be a positive number of seconds."])
+    if a.max_restarts and a.rdzv != "c10d":
+        return _refuse(["--max-restarts needs --rdzv c10d (the static rendezvous cannot re-form a world)."])
+
+    config = build_config(a.machines, a.per_machine, a.cpu, a.main_ip, a.main_port, a.rdzv, a.mixed_precision,
+                          a.compile, a.sharding, a.zero_stage)
+    problems = topology.validate_config(config, None if a.skip_device_check else hw["gpus"])
+    if not a.cpu and a.mixed_precision == "bf16" and hw["gpus"] and not hw["bf16"] and not a.skip_device_check:
+        problems.append(f"bf16 is not supported by the detected {hw['gpu_name']}; use fp16 or no.")
+    if problems:
+        return _refuse(problems)
+
+    name = a.name or default_name(a)
+    os.makedirs(a.dir, exist_ok=True)
+    path = os.path.join(a.dir, f"{name}.yaml")
+    if os.path.exists(path) and not a.force:
+        return _refuse([f"{path} exists; pass --force to overwrite or choose another --name."])
+    config.to_yaml_file(path)
+    load_config_from_file(path)  # what `accelerate launch` will read; fails loudly if it cannot
+
+    print(f"Wrote {path}")
+    print("  " + topology.describe(config).replace("\n", "\n  "))
+    print("Launch (the same file on every machine; only --machine_rank differs):")
+    restarts = a.max_restarts if a.rdzv == "c10d" else 0
+    shown = range(a.machines) if a.machines <= 4 else (0, 1, a.machines - 1)
+    for r in shown:
+        cmd = topology.launch_command(path, config, r, a.script, a.rdzv_timeout, restarts)
+        print(f"  machine {r}: {cmd}")
+    if a.machines > 4:
+        print(f"  (machines 2..{a.machines - 2}: the same with their own --machine_rank)")
+    if a.machines > 1 and a.rdzv == "c10d":
+        print("  c10d assigns ranks at rendezvous; --machine_rank only has to be distinct.")
+    print(f"Check each machine first: accel-trainer check --config_file {path}"
+          + (" --machine_rank <r>" if a.machines > 1 else ""))
+    if a.slurm:
+        spath = os.path.join(a.dir, f"{name}.slurm.sh")
+        with open(spath, "w") as f:
+            f.write(slurm_script(path, config, a.script, a.rdzv_timeout, restarts, job_name=name))
+        os.chmod(spath, 0o755)
+        print(f"Wrote {spath}: sbatch {spath} [script arguments]")
+    return 0
+
+
+def _refuse(problems) -> int:
+    print("config: refusing to write this configuration:", file=sys.stderr)
+    for p in problems:
+        print(f"  - {p}", file=sys.stderr)
+    return 2
+
+
+def add_parser(sub):
+    """Register `accel-trainer config` on the console script's subparsers."""
+    p = sub.add_parser("config", help="write an accelerate config for your machines (the wizard)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="accel-trainer config", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
