@@ -1,0 +1,254 @@
+"""Causal language modelling with any `AutoModelForCausalLM` (default `gpt2`) on a Hub text dataset or local
+text files.
+
+    # fine-tune a checkpoint (Hub id or local folder) on local text
+    python recipes/causal_lm.py --model_name_or_path gpt2 --train_file input.txt --output_dir runs/clm
+
+    # from scratch: a config (Hub id or folder) + a tokenizer, random init; --config_overrides shrinks it
+    python recipes/causal_lm.py --config_name gpt2 --config_overrides n_layer=4,n_embd=128,n_head=4 \\
+        --tokenizer_name <folder> --train_file ../shared/data/tinyshakespeare/input.txt --block_size 128
+
+Text is tokenised once and cached by `datasets` (a second run, or the other ranks, read the cache), then
+packed into blocks of exactly --block_size tokens (the standard recipe), or with --packing false each line is
+one example, padded per batch with the padding excluded from the loss.
+
+The loss is the mean over target tokens, and `loss()` returns the number of target tokens with it: the
+Trainer weights micro-batches by that count across accumulation steps and processes, so an update's gradient
+is the mean over every target token of the global batch, however unevenly they fall into micro-batches.
+Eval reports eval_loss (token-weighted), eval_perplexity = exp(eval_loss), and a short generated sample.
+"""
+
+import functools
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from accel_trainer.text import MissingInputError, load_config, load_pretrained, load_text_dataset, load_tokenizer
+
+name = "causal_lm"
+
+
+@dataclass
+class Args:
+    model_name_or_path: Optional[str] = field(
+        default="gpt2",
+        metadata={"help": "Hub id or local folder (save_pretrained) of the model; its tokenizer too unless "
+                          "--tokenizer_name. With --config_name, used only for the tokenizer."})
+    config_name: Optional[str] = field(
+        default=None, metadata={"help": "Train from scratch: Hub id or folder of a config; random init."})
+    config_overrides: Optional[str] = field(
+        default=None, metadata={"help": "With --config_name: comma-separated key=value, e.g. n_layer=4,n_embd=128."})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Hub id or folder of the tokenizer."})
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub id or local dataset folder (instead of --train_file)."})
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "Local .txt/.csv/.json(l) training file."})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "Local validation file."})
+    validation_split_percentage: float = field(
+        default=5.0, metadata={"help": "Without a validation split/file: hold out the LAST this-% of train rows."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
+    block_size: int = field(default=128, metadata={"help": "Tokens per training example."})
+    packing: bool = field(
+        default=True, metadata={"help": "Pack the token stream into block_size blocks. false: one line = one "
+                                        "example (truncated to block_size, padded per batch)."})
+    sample_prompt: str = field(default="", metadata={"help": "Prompt for the sample generated at each eval."})
+    sample_max_new_tokens: int = field(default=40, metadata={"help": "Length of that sample; 0 = no sample."})
+
+    def __post_init__(self):
+        if not (self.dataset_name or self.train_file):
+            raise ValueError("no data: pass --train_file <text file> or --dataset_name <Hub id or local folder>.")
+        if self.block_size < 2:
+            raise ValueError(f"--block_size must be >= 2 (one input and one target token), got {self.block_size}.")
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(name_or_path: str):
+    tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path")
+    if tok.pad_token is None:  # GPT-2 has none; padded positions are masked out of attention and loss anyway
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def tokenizer_for(args):
+    name_or_path = args.tokenizer_name or args.model_name_or_path
+    if not name_or_path:
+        raise MissingInputError("no tokenizer: pass --tokenizer_name (Hub id or folder) or --model_name_or_path.")
+    return _tokenizer(name_or_path)
+
+
+def build_model(args, targs):
+    from transformers import AutoModelForCausalLM
+
+    if args.config_name:
+        config = load_config(args.config_name)
+        if args.config_overrides:
+            config.update_from_string(args.config_overrides)
+        config.vocab_size = len(tokenizer_for(args))  # a from-scratch model must fit its tokenizer
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path)
+    max_pos = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if max_pos is not None and args.block_size > max_pos:
+        raise ValueError(f"--block_size {args.block_size} is longer than the model's {max_pos} positions.")
+    return model  # --gradient_checkpointing and --mixed_precision are applied by the Trainer
+
+
+def _load_raw(args):
+    if args.dataset_name:
+        raw = load_text_dataset(args.dataset_name, args.dataset_config_name)
+    else:
+        files = {"train": args.train_file}
+        if args.validation_file:
+            files["validation"] = args.validation_file
+        # keep_linebreaks: packed text keeps its line structure (matters for verse/code); per-line examples don't
+        kwargs = {"keep_linebreaks": args.packing} if args.train_file.endswith((".txt", ".text")) else {}
+        raw = load_text_dataset(data_files=files, **kwargs)
+    if "train" not in raw:
+        raise MissingInputError(f"the dataset has no 'train' split (it has {list(raw)}).")
+    if "validation" not in raw:
+        # Hold out the tail, unshuffled: deterministic, and for a single long text (Shakespeare) it's a
+        # contiguous, unseen passage rather than lines interleaved with the training ones.
+        # (select() of a range, not train_test_split: its fingerprint is deterministic, so the tokenised
+        # cache is found again by the next run.)
+        n = len(raw["train"])
+        n_eval = max(1, int(n * args.validation_split_percentage / 100))
+        raw["validation"] = raw["train"].select(range(n - n_eval, n))
+        raw["train"] = raw["train"].select(range(n - n_eval))
+    if args.text_column not in raw["train"].column_names:
+        raise MissingInputError(f"no column {args.text_column!r} in the dataset (columns: "
+                                f"{raw['train'].column_names}); pass --text_column.")
+    return raw
+
+
+def build_data(args, targs, accelerator):
+    tokenizer = tokenizer_for(args)
+    raw = _load_raw(args)
+    splits = {"train": raw["train"], "eval": raw["validation"]}
+    block = args.block_size
+    eos = tokenizer.eos_token_id
+
+    def tokenize_lines(batch):
+        # One example per non-empty line, ending in EOS so the model learns where a line stops.
+        ids = tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [(x + ([eos] if eos is not None else []))[:block] for x in ids]}
+
+    # Rows of a .txt file are lines (with their line breaks kept); rows of a dataset are documents, which get
+    # an EOS after each so the model sees where one ends and the next begins in the packed stream.
+    rows_are_lines = not args.dataset_name and args.train_file.endswith((".txt", ".text"))
+    doc_end = [] if rows_are_lines or eos is None else [eos]
+
+    def tokenize(batch):
+        ids = tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + doc_end for x in ids]}
+
+    def pack(batch):
+        # Concatenate the batch's token streams and cut into full blocks; the remainder (< block tokens per
+        # 1000 rows) is dropped, as in transformers' run_clm.py.
+        stream = [t for ids in batch["input_ids"] for t in ids]
+        n = len(stream) // block * block
+        return {"input_ids": [stream[i: i + block] for i in range(0, n, block)]}
+
+    # Tokenise once: map() results are cached next to the dataset, keyed by a fingerprint of the data and
+    # of these functions (tokenizer and block size included); the main process writes, the others then read.
+    with accelerator.main_process_first():
+        out = {}
+        for k, ds in splits.items():
+            cols = ds.column_names
+            if args.packing:
+                ds = ds.map(tokenize, batched=True, remove_columns=cols, desc=f"tokenizing {k}")
+                ds = ds.map(pack, batched=True, batch_size=1000, desc=f"packing {k} into blocks of {block}")
+            else:
+                ds = ds.filter(lambda b: [bool(t.strip()) for t in b[args.text_column]], batched=True)
+                ds = ds.map(tokenize_lines, batched=True, remove_columns=cols, desc=f"tokenizing {k}")
+            if len(ds) == 0:
+                what = f"full block of {block} tokens" if args.packing else "non-empty line"
+                raise MissingInputError(f"the {k} split has no {what}; give more text or a smaller --block_size.")
+            out[k] = ds
+    global _pad_id
+    _pad_id = tokenizer.pad_token_id
+    return out
+
+
+_pad_id = None  # set by build_data; collate() only receives the examples
+
+
+def collate(examples):
+    """Right-pad to the longest example of the batch; padding is masked from attention and from the loss."""
+    longest = max(len(e["input_ids"]) for e in examples)
+    input_ids = torch.full((len(examples), longest), _pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), longest), dtype=torch.long)
+    for i, e in enumerate(examples):
+        input_ids[i, : len(e["input_ids"])] = torch.as_tensor(e["input_ids"])
+        attention_mask[i, : len(e["input_ids"])] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _token_losses(model, batch):
+    """Per-example (summed next-token cross-entropy, number of target tokens)."""
+    # use_cache=False: training and scoring don't need the KV cache (generate() still uses one)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    targets = batch["labels"][:, 1:]  # position t predicts token t+1; -100 = padding, not a target
+    per_token = F.cross_entropy(
+        logits[:, :-1].transpose(1, 2).float(), targets, ignore_index=-100, reduction="none"
+    )  # float(): the softmax in fp32 even under mixed precision; ignored positions give 0
+    return per_token.sum(dim=1), (targets != -100).sum(dim=1)
+
+
+def loss(model, batch):
+    sums, counts = _token_losses(model, batch)
+    n_tokens = counts.sum()
+    # The mean over this micro-batch's target tokens, with their count: the Trainer weights by the count, so
+    # an update averages over every target token of the global batch. clamp: no targets -> 0, not NaN.
+    return sums.sum() / n_tokens.clamp(min=1), n_tokens
+
+
+def eval_step(model, batch):
+    with torch.no_grad():
+        sums, counts = _token_losses(model, batch)
+    # Per-example sums and counts (not one batch mean): eval_loss = sum / count over the gathered split is
+    # then exact on any world size, even when examples have different numbers of tokens.
+    return {"loss": sums, "n_items": counts}
+
+
+def generate_sample(model, tokenizer, prompt: str = "", max_new_tokens: int = 40, seed: int = 0) -> str:
+    """A short sampled continuation of `prompt` (from BOS/EOS if empty), without touching the training RNG."""
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"] if prompt else None
+    if ids is None or ids.numel() == 0:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        ids = torch.tensor([[start]])
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    # fork_rng: the sample is reproducible for a seed, and training's random stream is left where it was
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(seed)
+        out = model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), do_sample=True,
+                             top_k=50, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    model.train(was_training)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def on_evaluate(trainer, metrics, final):
+    extra = {}
+    if "eval_loss" in metrics:
+        # eval_loss is the token-weighted mean over the whole eval split, so exp() of it is the perplexity
+        extra["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
+    args = trainer.recipe_args
+    if args.sample_max_new_tokens > 0 and trainer.accelerator.is_main_process:
+        sample = generate_sample(trainer.unwrapped_model, tokenizer_for(args), args.sample_prompt,
+                                 args.sample_max_new_tokens, seed=trainer.args.seed)
+        print(f"[sample @ step {trainer.global_step}] {sample!r}", flush=True)
+        extra["eval_sample"] = sample
+    return extra
+
+
+if __name__ == "__main__":
+    from accel_trainer import run
+
+    run(sys.modules[__name__])

@@ -1,0 +1,188 @@
+"""Tiny, offline stand-ins for the text recipes' inputs: a tokenizer trained on the test's own text with
+`tokenizers`, a model built from a small config with random init, both `save_pretrained` into a folder and
+loaded back by path -- the same `from_pretrained` code path a Hub checkpoint goes through -- and small
+datasets in the layouts the recipes read (a GLUE-style Hub-layout folder, plain text files).
+
+Dropout is off in the configs so that runs with different world sizes can be compared weight for weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WORDS = (
+    "the a cat dog bird fish sat ran flew swam on under over near mat log tree pond red blue green small big "
+    "quick slow happy sad old young yes no"
+).split()
+
+
+def sentences(n: int, seed: int = 0, min_len: int = 2, max_len: int = 14) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_len, max_len))) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+def _train_tokenizer(texts, kind: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "bert":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=200, special_tokens=specials))
+        cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        # BERT's pair template, so token_type_ids and [CLS]/[SEP] come out as with a real BERT tokenizer
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+        )
+        tok.decoder = decoders.WordPiece()
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+            sep_token="[SEP]", mask_token="[MASK]", model_max_length=128,
+            model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+        )
+    # GPT-2 style byte-level BPE with only an end-of-text token (no pad token, like the real gpt2)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>", model_max_length=128,
+    )
+
+
+def make_tiny_bert(folder: str, texts=None, num_labels: int = 2) -> str:
+    """A 2-layer, 32-wide BERT for sequence classification + WordPiece tokenizer, saved in `folder`."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    tokenizer = _train_tokenizer(texts or sentences(300), "bert")
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, classifier_dropout=0.0, pad_token_id=tokenizer.pad_token_id,
+        num_labels=num_labels,
+    )
+    model = BertForSequenceClassification(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def make_tiny_gpt2(folder: str, texts=None, weights: bool = True) -> str:
+    """A 2-layer, 32-wide GPT-2 + byte-level BPE tokenizer saved in `folder` (config only if not `weights`)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = _train_tokenizer(texts or sentences(300), "gpt2")
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if weights:
+        GPT2LMHeadModel(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------- datasets
+def make_glue_folder(folder: str, n_train: int = 64, n_eval: int = 13, seed: int = 0) -> str:
+    """A GLUE-MRPC-shaped dataset folder in Hub layout (like ../shared/data/glue): config `mrpc`, parquet
+    splits, columns sentence1/sentence2/label/idx, sentences of 2..14 words. Label 1 pairs draw their words
+    from the first half of the vocabulary, label 0 pairs from the second: learnable in a few dozen steps by a
+    tiny model, which is all the end-to-end test needs."""
+    import datasets
+
+    os.makedirs(os.path.join(folder, "mrpc"), exist_ok=True)
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write(
+            "---\nconfigs:\n- config_name: mrpc\n  data_files:\n"
+            "  - split: train\n    path: mrpc/train-*\n  - split: validation\n    path: mrpc/validation-*\n---\n"
+        )
+    features = datasets.Features({
+        "sentence1": datasets.Value("string"), "sentence2": datasets.Value("string"),
+        "label": datasets.ClassLabel(names=["not_equivalent", "equivalent"]), "idx": datasets.Value("int32"),
+    })
+    half = len(WORDS) // 2
+    for split, n, s in (("train", n_train, seed), ("validation", n_eval, seed + 1)):
+        rng = random.Random(s)
+        labels = [rng.randint(0, 1) for _ in range(n)]
+
+        def sent(label):
+            words = WORDS[:half] if label else WORDS[half:]
+            return " ".join(rng.choice(words) for _ in range(rng.randint(2, 14)))
+
+        s1, s2 = [sent(y) for y in labels], [sent(y) for y in labels]
+        ds = datasets.Dataset.from_dict(
+            {"sentence1": s1, "sentence2": s2, "label": labels, "idx": list(range(n))}, features=features
+        )
+        ds.to_parquet(os.path.join(folder, "mrpc", f"{split}-00000-of-00001.parquet"))
+    return folder
+
+
+def make_text_files(folder: str, n_train: int = 200, n_eval: int = 20, seed: int = 0) -> tuple[str, str]:
+    """train.txt / validation.txt, one sentence a line, lines of very different lengths."""
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for split, n, s in (("train", n_train, seed), ("validation", n_eval, seed + 1)):
+        path = os.path.join(folder, f"{split}.txt")
+        with open(path, "w") as f:
+            f.write("\n".join(sentences(n, seed=s, min_len=1, max_len=20)) + "\n")
+        paths.append(path)
+    return tuple(paths)
+
+
+# -------------------------------------------------------------------------------------------------- running
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline_env(tmp_path) -> dict:
+    """Environment for recipe subprocesses: no Hub access (fail fast instead of retrying for a minute),
+    dataset cache inside the test's temp dir, one thread per process on this small machine."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp_path / "hf_datasets_cache"), OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    return env
+
+
+def run_recipe(recipe: str, args: list[str], tmp_path, nproc: int = 1, timeout: int = 240):
+    """`python recipes/<recipe>.py ARGS`, or with nproc > 1 a real `accelerate launch` of nproc CPU processes."""
+    script = os.path.join(REPO, "recipes", f"{recipe}.py")
+    if nproc == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        # `--cpu --num_processes 2` would silently run one process; --multi_gpu + no CUDA gives a gloo group
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), script, *args,
+        ]
+    return subprocess.run(cmd, env=offline_env(tmp_path), capture_output=True, text=True, timeout=timeout,
+                          cwd=str(tmp_path))
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
