@@ -6,6 +6,7 @@ A recipe adds its own fields in its own dataclass; both are parsed together.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -138,6 +139,16 @@ class TrainingArguments:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` shows every field's default, also for recipe fields that have no help text."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is not argparse.SUPPRESS and action.option_strings and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def _read_args_file(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ArgumentError(f"Arguments file {path} does not exist.")
@@ -165,7 +176,10 @@ def parse_args(recipe_args_cls: type | None = None, argv: list[str] | None = Non
 
     argv = list(sys.argv[1:] if argv is None else argv)
     classes = [TrainingArguments] + ([recipe_args_cls] if recipe_args_cls is not None else [])
-    parser = HfArgumentParser(classes)
+    parser = HfArgumentParser(classes, allow_abbrev=False, formatter_class=_DefaultsHelpFormatter)  # --learning_rat must be an error, not a prefix
+    for action in parser._actions:
+        if not action.help:  # argparse prints no default for a field without help text: name its type
+            action.help = getattr(action.type, "__name__", "value") if action.type else "flag"
     known = {a.dest for a in parser._actions}
     try:
         preset = dict(defaults or {})

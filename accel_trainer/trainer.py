@@ -280,7 +280,7 @@ class Trainer:
         else:
             loss.backward()
 
-    def _update(self, window: list):
+    def _update(self, window: list, schedule: bool = True):
         """One optimizer update over a window of micro-batches (this rank's share of the global batch)."""
         acc, args = self.accelerator, self.args
         loss_sum, n_sum = 0.0, 0
@@ -314,7 +314,8 @@ class Trainer:
             self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
         stepped = self._optimizer_step()
         if stepped:
-            self.scheduler.step()
+            if schedule:
+                self.scheduler.step()
             if self.ema is not None:
                 self.ema.update_parameters(acc.unwrap_model(self.model))
         else:
@@ -467,14 +468,15 @@ class Trainer:
             self._train_iter = self._epoch_batches(self.epoch + 1, 0)
             return next(self._train_iter)
 
-    def train_step(self, batch=None) -> float:
+    def train_step(self, batch=None, schedule: bool = True) -> float:
         """One optimizer update on one batch (fetched if not given). Returns its loss."""
         self.model.train()
-        self._update([batch if batch is not None else self.fetch_batch()])
+        self._update([batch if batch is not None else self.fetch_batch()], schedule=schedule)
         loss = self._log_window[-1][0]
         return float(loss)
 
     def overfit_batch(self, steps: int = 100, batch=None) -> list[float]:
-        """Train repeatedly on one batch: the loss should go towards zero, or the model/loss is broken."""
+        """Train repeatedly on one batch at the current learning rate (the schedule is held): the loss should go
+        towards zero, or the model/loss/data is broken."""
         batch = batch if batch is not None else self.fetch_batch()
-        return [self.train_step(batch) for _ in range(steps)]
+        return [self.train_step(batch, schedule=False) for _ in range(steps)]

@@ -1,0 +1,69 @@
+"""Shared test helpers: run recipes the way users do (python / accelerate launch) with bounded waits."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = os.path.join(ROOT, "recipes")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ)
+    e.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM":
+              "false", "PYTHONUNBUFFERED": "1", "ACCELERATE_DISABLE_RICH": "1"})
+    e.pop("WORLD_SIZE", None)
+    e.update(extra)
+    return e
+
+
+def launch_cmd(nproc: int, port: int | None = None) -> list[str]:
+    """`accelerate launch` for nproc CPU processes that truly form one world (see accelerate_configs/README.md)."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port or free_port())]
+
+
+def run(script: str, args: list[str], nproc: int = 1, timeout: float = 240, check: bool = True, cwd=None,
+        extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    script = script if os.path.isabs(script) else os.path.join(RECIPES, script)
+    proc = subprocess.run(launch_cmd(nproc) + [script] + [str(a) for a in args], capture_output=True, text=True,
+                          timeout=timeout, env=env(**(extra_env or {})), cwd=cwd or ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(output_dir: str) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def run_config(output_dir: str) -> dict:
+    with open(os.path.join(output_dir, "run_config.json")) as f:
+        return json.load(f)
+
+
+def weights(output_dir: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(output_dir, "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, rtol=1e-5, atol=1e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")

@@ -1,0 +1,84 @@
+"""Bad input: a clear message naming the problem and the fix, a non-zero exit, nothing overwritten."""
+
+import os
+import sys
+
+import pytest
+
+from helpers import RECIPES, run
+
+sys.path.insert(0, RECIPES)
+import regression  # noqa: E402
+
+from accel_trainer import run as run_recipe  # noqa: E402
+
+
+def fail(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        run_recipe(regression, argv + ["--disable_tqdm"])
+    return e.value.code, capsys.readouterr().err
+
+
+def test_unknown_flag_is_named(capsys, tmp_path):
+    code, err = fail(["--output_dir", str(tmp_path), "--learning_rat", "0.1"], capsys)
+    assert code == 2 and "--learning_rat" in err
+    assert not os.listdir(tmp_path)
+
+
+def test_bad_value_is_named(capsys, tmp_path):
+    code, err = fail(["--output_dir", str(tmp_path), "--mixed_precision", "fp12"], capsys)
+    assert code == 2 and "--mixed_precision" in err and "bf16" in err
+
+
+def test_missing_data_path(capsys, tmp_path):
+    code, err = fail(["--output_dir", str(tmp_path / "o"), "--train_file", str(tmp_path / "nope.jsonl")], capsys)
+    assert code == 1 and "nope.jsonl" in err and "does not exist" in err
+
+
+def test_missing_resume_path(capsys, tmp_path):
+    code, err = fail(["--output_dir", str(tmp_path / "o"), "--resume_from_checkpoint", str(tmp_path / "gone")],
+                     capsys)
+    assert code == 1 and "gone" in err and "'latest'" in err
+
+
+def test_resume_latest_without_checkpoints(capsys, tmp_path):
+    code, err = fail(["--output_dir", str(tmp_path / "o"), "--resume_from_checkpoint", "latest"], capsys)
+    assert code == 1 and "no checkpoint" in err
+
+
+def test_previous_run_is_not_overwritten(capsys, tmp_path):
+    out = tmp_path / "o"
+    run_recipe(regression, ["--output_dir", str(out), "--max_steps", "3", "--disable_tqdm", "--save_steps", "0"])
+    before = {f: (out / f).read_bytes() for f in ("metrics.jsonl", "run_config.json", "model.safetensors")}
+    code, err = fail(["--output_dir", str(out), "--max_steps", "3"], capsys)
+    assert code == 1 and "previous run" in err
+    assert "--resume_from_checkpoint latest" in err and "--overwrite_output_dir" in err
+    assert {f: (out / f).read_bytes() for f in before} == before
+    # and the flag it names does start over
+    run_recipe(regression, ["--output_dir", str(out), "--max_steps", "2", "--disable_tqdm", "--save_steps", "0",
+                            "--overwrite_output_dir"])
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and all('"step": 2' in line for line in lines)  # the old run's log is gone
+
+
+def test_args_file_with_overrides(tmp_path):
+    cfg = tmp_path / "args.yaml"
+    cfg.write_text(f"output_dir: {tmp_path / 'o'}\nmax_steps: 4\nlearning_rate: 0.5\nhidden_size: 8\n")
+    from accel_trainer import parse_args
+
+    targs, rargs = parse_args(regression.Args, [str(cfg), "--max_steps", "6"])
+    assert targs.max_steps == 6 and targs.learning_rate == 0.5 and rargs.hidden_size == 8
+    assert targs.mixed_precision is None  # unset: the accelerate config decides
+
+
+def test_help_lists_every_field_with_default():
+    proc = run("regression.py", ["--help"], timeout=120)
+    from dataclasses import fields
+
+    from accel_trainer import TrainingArguments
+
+    for f in list(fields(TrainingArguments)) + list(fields(regression.Args)):
+        assert f"--{f.name}" in proc.stdout, f.name
+    text = " ".join(proc.stdout.split())
+    assert "AdamW. (default: 0.01)" in text  # the recipe's own learning rate default
+    assert "--hidden_size HIDDEN_SIZE, --hidden-size HIDDEN_SIZE int (default: 32)" in text

@@ -1,0 +1,73 @@
+"""Gradient accumulation and world size do not change the numbers: real launches, world size asserted.
+
+1 process x batch 16 x accumulation 1 == 1 process x batch 8 x accumulation 2 == 2 processes x batch 4 x
+accumulation 2, with a loss whose item count varies per micro-batch (masked targets). A trainer that averaged
+per-micro-batch means (the 2024 transformers bug) or per-rank means fails this.
+"""
+
+import pytest
+
+from helpers import assert_same_weights, metrics, run, run_config, weights
+
+COMMON = ["--mask_prob", "0.5", "--max_steps", "12", "--logging_steps", "1", "--learning_rate", "0.05",
+          "--lr_scheduler_type", "linear", "--warmup_steps", "3", "--num_eval_samples", "37",
+          "--per_device_eval_batch_size", "4", "--eval_steps", "6", "--save_steps", "0", "--disable_tqdm"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, nproc, bs, acc in (("1x16x1", 1, 16, 1), ("1x8x2", 1, 8, 2), ("2x4x2", 2, 4, 2)):
+        d = str(tmp_path_factory.mktemp(name))
+        proc = run("regression.py", ["--output_dir", d, "--per_device_train_batch_size", bs,
+                                     "--gradient_accumulation_steps", acc] + COMMON, nproc=nproc)
+        out[name] = (d, proc)
+    return out
+
+
+def test_world_size_is_what_was_launched(runs):
+    for name, (d, _) in runs.items():
+        assert run_config(d)["num_processes"] == int(name[0])
+        assert run_config(d)["global_train_batch_size"] == 16
+
+
+def test_final_weights_equal_across_accumulation_and_world_size(runs):
+    ref = weights(runs["1x16x1"][0])
+    assert_same_weights(weights(runs["1x8x2"][0]), ref)
+    assert_same_weights(weights(runs["2x4x2"][0]), ref)
+
+
+def test_logged_loss_is_the_global_item_weighted_mean(runs):
+    ref = [m["loss"] for m in metrics(runs["1x16x1"][0]) if "loss" in m]
+    for name in ("1x8x2", "2x4x2"):
+        got = [m["loss"] for m in metrics(runs[name][0]) if "loss" in m]
+        assert got == pytest.approx(ref, rel=1e-5)
+
+
+def test_scheduler_steps_once_per_update_on_any_world_size(runs):
+    def lrs(d):
+        return [(m["step"], m["learning_rate"]) for m in metrics(d) if "learning_rate" in m]
+
+    ref = lrs(runs["1x16x1"][0])
+    assert [s for s, _ in ref] == list(range(1, 13))
+    assert ref[2][1] == pytest.approx(0.05)  # end of warm-up (3 updates) at the peak
+    assert lrs(runs["2x4x2"][0]) == pytest.approx(ref)
+
+
+def test_eval_counts_every_sample_once(runs):
+    # 37 samples over 2 ranks x batch 4: Accelerate pads the last batches with repeats; none may count.
+    evals = {name: [m for m in metrics(d) if "eval_loss" in m] for name, (d, _) in runs.items()}
+    for name, ev in evals.items():
+        assert [m["eval_samples"] for m in ev] == [37, 37], name
+    for a, b in zip(evals["2x4x2"], evals["1x16x1"]):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
+        assert a["eval_mse"] == pytest.approx(b["eval_mse"], rel=1e-5)
+
+
+def test_only_the_main_process_prints_and_logs(runs):
+    d, proc = runs["2x4x2"]
+    steps = [m["step"] for m in metrics(d) if "loss" in m]
+    assert steps == list(range(1, 13))  # each log event once, not once per rank
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("step=") and "loss=" in line
+               and "eval_loss" not in line]
+    assert len(printed) == 12

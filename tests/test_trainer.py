@@ -1,0 +1,87 @@
+"""The Trainer in-process, as in a notebook: the Python API, resume, EMA, files it writes."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, load_model
+
+from helpers import RECIPES, assert_same_weights
+
+sys.path.insert(0, RECIPES)
+import regression  # noqa: E402
+
+from accel_trainer import Trainer, TrainingArguments  # noqa: E402
+
+
+def make(tmp_path, name="run", recipe_args=None, **kw):
+    kw.setdefault("learning_rate", 1e-2)
+    kw.setdefault("per_device_train_batch_size", 16)
+    kw.setdefault("disable_tqdm", True)
+    kw.setdefault("save_steps", 0)
+    args = TrainingArguments(output_dir=str(tmp_path / name), **kw)
+    return Trainer(regression, args, recipe_args or regression.Args(), quiet=True)
+
+
+def test_notebook_api(tmp_path):
+    t = make(tmp_path, max_steps=5)
+    batch = t.fetch_batch()
+    assert batch["x"].shape == (16, 16)
+    losses = t.overfit_batch(steps=60, batch=batch)
+    assert losses[-1] < 0.2 * losses[0]
+    ev = t.evaluate()
+    assert ev["eval_samples"] == 64 and ev["eval_loss"] > 0
+    assert isinstance(t.unwrapped_model, torch.nn.Sequential)
+
+
+def test_fit_writes_run_files_and_plain_weights(tmp_path):
+    t = make(tmp_path, max_steps=20, logging_steps=5)
+    final = t.fit()
+    out = t.args.output_dir
+    cfg = json.load(open(os.path.join(out, "run_config.json")))
+    assert cfg["num_processes"] == 1 and cfg["args"]["max_steps"] == 20 and "torch" in cfg["versions"]
+    events = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    train = [e for e in events if "loss" in e]
+    assert [e["step"] for e in train] == [5, 10, 15, 20]
+    assert all({"epoch", "elapsed_s", "learning_rate"} <= e.keys() for e in train)
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert final["eval_samples"] == 64
+    plain = regression.build_model(regression.Args(), t.args)
+    load_model(plain, os.path.join(out, "model.safetensors"))  # strict: no module./_orig_mod. prefixes
+    assert_same_weights(plain.state_dict(), t.unwrapped_model.state_dict(), rtol=0, atol=0)
+
+
+def test_resume_mid_epoch_gives_the_same_final_weights(tmp_path):
+    # 256 samples / batch 16 = 16 updates per epoch: step 5 is mid-epoch. Dropout makes the RNG state matter.
+    ra = regression.Args(dropout=0.2)
+    full = make(tmp_path, "full", ra, max_steps=24, save_steps=5)
+    full.fit()
+    ckpt = os.path.join(full.args.output_dir, "checkpoints", "step_5")
+    assert json.load(open(os.path.join(ckpt, "trainer_state.json")))["batch_in_epoch"] == 5
+    resumed = make(tmp_path, "resumed", ra, max_steps=24, save_steps=5, resume_from_checkpoint=ckpt)
+    assert resumed.global_step == 5
+    resumed.fit()
+    assert_same_weights(load_file(os.path.join(resumed.args.output_dir, "model.safetensors")),
+                        load_file(os.path.join(full.args.output_dir, "model.safetensors")), rtol=0, atol=0)
+
+
+def test_resume_latest_continues_in_place(tmp_path):
+    first = make(tmp_path, "r", max_steps=10, save_steps=4)
+    first.fit()
+    again = make(tmp_path, "r", max_steps=14, save_steps=4, resume_from_checkpoint="latest")
+    assert again.global_step == 10  # the final checkpoint at step 10 is the newest
+    again.fit()
+    steps = [json.loads(line)["step"] for line in open(os.path.join(again.args.output_dir, "metrics.jsonl"))]
+    assert max(steps) == 14
+
+
+def test_ema_weights_are_evaluated_and_saved(tmp_path):
+    t = make(tmp_path, max_steps=30, ema_decay=0.9)
+    t.fit()
+    saved = load_file(os.path.join(t.args.output_dir, "model.safetensors"))
+    ema = t.ema.module.state_dict()
+    raw = t.unwrapped_model.state_dict()
+    assert_same_weights(saved, {k: v for k, v in ema.items() if k in saved}, rtol=0, atol=0)
+    assert not torch.equal(saved["0.weight"], raw["0.weight"])
