@@ -1,0 +1,401 @@
+"""CIFAR-10 at speed-record pace, through the Trainer: the airbench94 method (Jordan 2024, arXiv:2404.00498).
+
+    python recipes/cifar.py --dataset ../shared/data/cifar10              # default preset: airbench94, for a GPU
+    python recipes/cifar.py --preset small --dataset ../shared/data/cifar10   # 2-core CPU: >= 87% in < 10 min
+    accelerate launch recipes/cifar.py ...                                 # any number of processes, same flags
+
+What makes it fast (each line is an airbench94 ingredient; see docs/cifar.md for measurements):
+* Data: the whole split lives on the device as uint8; flip + translate run in batches on the device (cifar_data.py).
+  Flips alternate: each image is seen mirrored and unmirrored in any two consecutive epochs.
+* Net: a VGG-like ConvNet (widths 64/256/256 by default), 2x2 first conv initialised as a frozen patch-whitening
+  layer (from 5000 train images), identity (dirac) init of the other convs, BatchNorm with no affine weight and a
+  fast running-stat momentum, logits scaled down by 9.
+* Optimisation: Nesterov SGD in airbench's decoupled units (the learning rate and weight decay are per 1024
+  examples, so they do not move when the batch size or momentum changes), BatchNorm biases at 64x the lr,
+  label smoothing 0.2, a triangular lr schedule, lookahead (an EMA of the weights copied back into the net every
+  5 steps, with a decay that warms up), and the whitening bias frozen after 30% of training.
+* Eval: test-time augmentation (mirror + 1-pixel shifts, 6 views) in the final eval.
+
+Units: lr and weight decay are airbench's ("per 1024 examples"): `--learning_rate 11.5 --weight_decay 0.0153`.
+Batch sizes are global (`--batch_size`, split over the processes), as the method is defined by its global batch.
+"""
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cifar_data.py next to this file
+from cifar_data import DEFAULT_DATASET, DeviceLoader, load_cifar10, normalize  # noqa: E402
+
+name = "cifar"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets: one line per knob that differs. Anything given on the command line wins.
+# "default" is airbench94 (94.0% mean on an A100 in 3.83 s); "small" is for a 2-core CPU (see docs/cifar.md).
+
+PRESETS = {
+    "default": dict(
+        widths="64,256,256",       # channels of the three conv blocks
+        batch_size=1024,           # images per optimizer step, all processes together
+        eval_batch_size=2000,      # images per eval forward, all processes together
+        num_train_epochs=9.9,      # passes over the 50k train images (airbench94: 9.9)
+        mixed_precision="bf16",    # on a GPU; fp32 on a CPU unless --mixed_precision says otherwise
+    ),
+    "small": dict(
+        widths="32,64,128",
+        batch_size=512,
+        eval_batch_size=1000,
+        num_train_epochs=10,
+        mixed_precision="bf16",    # this CPU (AVX512-BF16) runs bf16 convs ~1.5x faster than fp32
+    ),
+}
+
+# TrainingArguments defaults of this recipe (the Trainer's own defaults suit transformers, not airbench).
+defaults = {
+    "learning_rate": 11.5,         # per 1024 examples (airbench's decoupled lr; see build_optimizer)
+    "weight_decay": 0.0153,        # per 1024 examples, decoupled from the lr
+    "num_train_epochs": 9.9,
+    "max_grad_norm": 0.0,          # no clipping: BatchNorm + label smoothing keep gradients tame
+    "logging_steps": 10,
+    "save_steps": 0,               # no mid-run checkpoints: a run is seconds on a GPU (pass --save_steps to resume)
+    "seed": 0,
+}
+
+
+@dataclass
+class Args:
+    preset: str = field(default="default", metadata={"help": f"One of {', '.join(PRESETS)}: sets the knobs left "
+                                                             "unset below (see PRESETS in this file)."})
+    dataset: str = field(default=DEFAULT_DATASET, metadata={
+        "help": "Hub id (needs the network), a local folder in the Hub layout (e.g. ../shared/data/cifar10), or "
+                "the original cifar-10-batches-py pickle folder."})
+    cache_dir: Optional[str] = field(default=None, metadata={
+        "help": "Where decoded uint8 arrays are cached. Default: $ACCEL_TRAINER_CACHE or ~/.cache/accel-trainer."})
+    widths: Optional[str] = field(default=None, metadata={"help": "Channels of the 3 conv blocks, e.g. 64,256,256."})
+    batch_size: Optional[int] = field(default=None, metadata={
+        "help": "Global train batch (all processes); sets --per_device_train_batch_size to batch_size / processes."})
+    eval_batch_size: Optional[int] = field(default=None, metadata={"help": "Global eval batch."})
+    momentum: float = field(default=0.85, metadata={"help": "Nesterov momentum."})
+    bias_lr_scale: float = field(default=64.0, metadata={"help": "BatchNorm biases train at this times the lr "
+                                                                 "(not their weight decay)."})
+    label_smoothing: float = field(default=0.2, metadata={"help": "Label smoothing of the train loss."})
+    lr_start: float = field(default=0.2, metadata={"help": "Triangular schedule: lr factor at step 0."})
+    lr_peak_at: float = field(default=0.23, metadata={"help": "... fraction of training where the factor is 1."})
+    lr_end: float = field(default=0.07, metadata={"help": "... factor at the last step."})
+    lookahead: bool = field(default=True, metadata={"help": "Lookahead: EMA of the weights, copied back into the "
+                                                            "net every 5 steps from 30% of training on."})
+    whiten_bias_frac: float = field(default=0.3, metadata={"help": "Freeze the whitening bias after this fraction"
+                                                                   " of training (airbench: 3 of 9.9 epochs)."})
+    bn_momentum: float = field(default=0.6, metadata={"help": "BatchNorm running stats: new = m*old + (1-m)*batch."})
+    flip: str = field(default="alternate", metadata={"help": "alternate, random or none."})
+    translate: int = field(default=2, metadata={"help": "Random shift in pixels (reflect padding)."})
+    tta_level: int = field(default=2, metadata={"help": "Final eval: 0 none, 1 mirror, 2 mirror + 1px shifts."})
+    channels_last: bool = field(default=True, metadata={"help": "NHWC memory layout for the convs."})
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r}: use one of {', '.join(PRESETS)}.")
+        if self.flip not in ("alternate", "random", "none"):
+            raise ValueError(f"--flip {self.flip!r}: use alternate, random or none.")
+        if self.tta_level not in (0, 1, 2):
+            raise ValueError(f"--tta_level {self.tta_level}: use 0, 1 or 2.")
+
+
+def configure(args, targs):
+    """Fill what the preset decides and the user left unset; derive per-device batches from global ones."""
+    preset = PRESETS[args.preset]
+    for key in ("widths", "batch_size", "eval_batch_size"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key])
+    if targs.num_train_epochs == defaults["num_train_epochs"]:  # not given on the command line
+        targs.num_train_epochs = preset["num_train_epochs"]
+    if targs.mixed_precision is None and not os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        # bf16 where it is fast: a GPU, or a CPU with AVX512-BF16 / AMX (the "small" preset opts in).
+        on_gpu = torch.cuda.is_available() and not targs.use_cpu
+        targs.mixed_precision = preset["mixed_precision"] if on_gpu or args.preset == "small" else "no"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for key, flag in (("batch_size", "per_device_train_batch_size"), ("eval_batch_size", "per_device_eval_batch_size")):
+        if getattr(args, key) % world:
+            raise ValueError(f"--{key} {getattr(args, key)} does not split evenly over {world} processes.")
+        setattr(targs, flag, getattr(args, key) // world)
+
+
+def _widths(args):
+    return tuple(int(w) for w in (args.widths or PRESETS[args.preset]["widths"]).split(","))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The network
+
+
+class BatchNorm(nn.BatchNorm2d):
+    # No learnable scale (the next conv can absorb it); a bias that trains at 64x the lr (see build_optimizer).
+    def __init__(self, num_features, momentum=0.6):
+        super().__init__(num_features, eps=1e-12, momentum=1 - momentum)  # torch's momentum is airbench's 1 - m
+        self.weight.requires_grad_(False)
+
+
+class Conv(nn.Conv2d):
+    def __init__(self, c_in, c_out):
+        super().__init__(c_in, c_out, kernel_size=3, padding="same", bias=False)
+        # Identity init of the first c_in filters: the block starts as an (implicit) residual, which trains faster.
+        with torch.no_grad():
+            nn.init.dirac_(self.weight[:c_in])
+
+
+class ConvGroup(nn.Module):
+    def __init__(self, c_in, c_out, bn_momentum):
+        super().__init__()
+        self.conv1, self.pool, self.norm1 = Conv(c_in, c_out), nn.MaxPool2d(2), BatchNorm(c_out, bn_momentum)
+        self.conv2, self.norm2 = Conv(c_out, c_out), BatchNorm(c_out, bn_momentum)
+
+    def forward(self, x):
+        x = F.gelu(self.norm1(self.pool(self.conv1(x))))  # pooling before BN: 4x less BN work
+        return F.gelu(self.norm2(self.conv2(x)))
+
+
+class CifarNet(nn.Module):
+    """whiten (2x2 conv, frozen) -> GELU -> 3 x [conv, pool, BN, GELU, conv, BN, GELU] -> max -> linear -> / 9."""
+
+    def __init__(self, widths=(64, 256, 256), whiten_kernel=2, bn_momentum=0.6, label_smoothing=0.2):
+        super().__init__()
+        whiten_width = 2 * 3 * whiten_kernel ** 2  # every patch direction, with both signs (GELU is not odd)
+        self.whiten = nn.Conv2d(3, whiten_width, whiten_kernel, padding=0, bias=True)
+        self.whiten.weight.requires_grad_(False)
+        nn.init.zeros_(self.whiten.bias)
+        chans = (whiten_width,) + tuple(widths)
+        self.blocks = nn.Sequential(*[ConvGroup(a, b, bn_momentum) for a, b in zip(chans[:-1], chans[1:])])
+        self.head = nn.Linear(widths[-1], 10, bias=False)
+        self.scale = 1 / 9  # small logits at init: the net starts out "uncertain", which label smoothing likes
+        self.label_smoothing = label_smoothing  # read by loss(); kept on the model so loss(model, batch) suffices
+
+    def forward(self, x):
+        x = self.blocks(F.gelu(self.whiten(x)))
+        x = F.adaptive_max_pool2d(x, 1).flatten(1)  # the last block is 3x3 on 32x32 inputs: a global max pool
+        return self.head(x) * self.scale
+
+    @torch.no_grad()
+    def init_whitening(self, images, eps=5e-4):
+        """Set the first conv to ZCA-like patch whitening: eigenvectors of the patch covariance of `images`
+        (normalized, NCHW), scaled by 1/sqrt(eigenvalue), each with both signs."""
+        c, (h, w) = images.shape[1], self.whiten.weight.shape[2:]
+        patches = images.float().unfold(2, h, 1).unfold(3, w, 1).transpose(1, 3).reshape(-1, c * h * w)
+        cov = patches.T @ patches / len(patches)
+        eigenvalues, eigenvectors = torch.linalg.eigh(cov)
+        filters = (eigenvectors.T / torch.sqrt(eigenvalues + eps)[:, None]).reshape(-1, c, h, w).flip(0)
+        # flip(0): largest-eigenvalue directions first. Patches are flattened in (c, h, w) order, like the weights.
+        self.whiten.weight.copy_(torch.cat((filters, -filters)))
+
+
+def _plain(model):
+    """The CifarNet under DDP / torch.compile wrappers."""
+    while not isinstance(model, CifarNet):
+        model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
+    return model
+
+
+def _main_first():
+    from accelerate import PartialState
+    return PartialState().main_process_first()  # rank 0 decodes and caches the data; the others then read it
+
+
+def build_model(args, targs):
+    args = args or Args()
+    model = CifarNet(_widths(args), bn_momentum=args.bn_momentum, label_smoothing=args.label_smoothing)
+    with _main_first():
+        train_images = load_cifar10(args.dataset, args.cache_dir)["train"][0]
+    # Whitening statistics from the first 5000 train images: the same on every rank, no communication needed.
+    model.init_whitening(normalize(torch.from_numpy(train_images[:5000])))
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def build_data(args, targs, accelerator):
+    args = args or Args()
+    with accelerator.main_process_first():
+        data = load_cifar10(args.dataset, args.cache_dir)
+    (x_train, y_train), (x_test, y_test) = data["train"], data["test"]
+    if targs.max_train_samples:
+        x_train, y_train = x_train[:targs.max_train_samples], y_train[:targs.max_train_samples]
+    if targs.max_eval_samples:
+        x_test, y_test = x_test[:targs.max_eval_samples], y_test[:targs.max_eval_samples]
+    common = dict(device=accelerator.device, seed=targs.seed, rank=accelerator.process_index,
+                  world_size=accelerator.num_processes)
+    return {
+        "train": DeviceLoader(x_train, y_train, targs.per_device_train_batch_size, train=True,
+                              flip=args.flip, translate=args.translate, **common),
+        "eval": DeviceLoader(x_test, y_test, targs.per_device_eval_batch_size, train=False, **common),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loss and eval
+
+
+def loss(model, batch):
+    logits = model(batch["images"])
+    labels = batch["labels"]
+    return F.cross_entropy(logits.float(), labels, label_smoothing=_plain(model).label_smoothing), len(labels)
+
+
+def eval_step(model, batch):
+    logits = model(batch["images"]).float()
+    labels = batch["labels"]
+    return {"loss": F.cross_entropy(logits, labels), "n_items": len(labels),
+            "predictions": logits.argmax(1), "references": labels}
+
+
+def build_metrics(args):
+    from accel_trainer import load_metric
+    return {"accuracy": load_metric("accuracy")}
+
+
+def tta_logits(model, images, level=2):
+    """Test-time augmentation: level 1 averages the image and its mirror; level 2 also averages (with weight 1/2)
+    two 1-pixel diagonal shifts of both, i.e. 6 views (airbench94)."""
+    def mirror(x):
+        return 0.5 * model(x).float() + 0.5 * model(x.flip(-1)).float()
+
+    if level == 0:
+        return model(images).float()
+    logits = mirror(images)
+    if level == 1:
+        return logits
+    padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
+    shifted = [padded[:, :, 0:-2, 0:-2], padded[:, :, 2:, 2:]]  # up-left and down-right by one pixel
+    return 0.5 * logits + 0.25 * (mirror(shifted[0]) + mirror(shifted[1]))
+
+
+def on_evaluate(trainer, metrics, final):
+    """After the final eval: accuracy with test-time augmentation, through `evaluate` like the plain accuracy."""
+    args = trainer.recipe_args or Args()
+    if not final or args.tta_level == 0 or trainer.eval_loader is None:
+        return None
+    acc = trainer.accelerator
+    model = trainer.ema.module if trainer.ema is not None else trainer.model
+    was_training = model.training
+    model.eval()
+    metric = build_metrics(args)["accuracy"]
+    with torch.no_grad():
+        for batch in trainer.eval_loader:
+            out = {"predictions": tta_logits(model, batch["images"], args.tta_level).argmax(1),
+                   "references": batch["labels"]}
+            out = acc.gather(out) if acc.num_processes > 1 else out
+            metric.add_batch(predictions=out["predictions"].cpu(), references=out["references"].cpu())
+    model.train(was_training)
+    return {"eval_tta_accuracy": metric.compute()["accuracy"]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optimisation
+
+
+class LookaheadSGD(torch.optim.SGD):
+    """Nesterov SGD plus airbench's lookahead: every `every` steps from `start` on, the EMA of the model's floating
+    state (weights and BatchNorm running stats) moves towards the net, and the net is set to the EMA. The decay
+    warms up as (step / total)^3, so early on the net moves fast, at the end it is averaged strongly; the last
+    step copies the EMA into the net a final time.
+
+    Why not the Trainer's --ema_decay: that keeps a separate averaged copy for eval with a fixed decay; lookahead
+    pulls the training weights themselves back (it changes the trajectory), on a schedule tied to the run length.
+    It lives in the optimizer so that it runs right after each update, under any Trainer, and is checkpointed
+    with the optimizer state.
+    """
+
+    def __init__(self, params, model, lr, momentum, start_frac=0.3, every=5, decay_base=0.95, decay_pow=3.0,
+                 enabled=True):
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=True)
+        self.model, self.start_frac, self.every, self.enabled = model, start_frac, every, enabled
+        self.decay_base, self.decay_pow = decay_base, decay_pow
+        self.total_steps = None  # set by build_scheduler, which knows the run length
+        self.step_count, self.ema = 0, None
+
+    def _floats(self):
+        return [v for v in self.model.state_dict().values() if v.is_floating_point()]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.step_count += 1
+        total = self.total_steps
+        if not self.enabled or total is None or self.step_count < self.start_frac * total:
+            return loss
+        if self.step_count % self.every == 0 or self.step_count == total:
+            if self.ema is None:
+                self.ema = [v.detach().clone() for v in self._floats()]
+            else:
+                rho = (self.decay_base ** self.every) * (self.step_count / total) ** self.decay_pow
+                if self.step_count % self.every != 0:
+                    rho = 1.0  # the last step: back to the average, no new weights taken in
+                net = self._floats()
+                torch._foreach_lerp_(self.ema, net, 1 - rho)
+                torch._foreach_copy_(net, self.ema)
+        return loss
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["lookahead"] = {"step_count": self.step_count, "ema": self.ema}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        la = state_dict.pop("lookahead", None)
+        super().load_state_dict(state_dict)
+        if la is not None:
+            self.step_count = la["step_count"]
+            self.ema = None if la["ema"] is None else [t.to(v.device) for t, v in zip(la["ema"], self._floats())]
+
+
+def build_optimizer(model, args, targs):
+    """airbench's decoupled units -> torch SGD. Our loss is the MEAN over the global batch of B examples, so the
+    torch lr is lr_per_1024 * B / (1024 * (1 + 1/(1-momentum))): the second factor undoes Nesterov's step
+    amplification for time-constant gradients. Weight decay per step is wd_per_1024 * B / (same), and torch
+    multiplies its weight_decay by the lr, so we pass the ratio."""
+    args = args or Args()
+    from accelerate import PartialState
+    B = targs.per_device_train_batch_size * targs.gradient_accumulation_steps * PartialState().num_processes
+    scale = 1024 * (1 + 1 / (1 - args.momentum))
+    lr = targs.learning_rate * B / scale
+    wd = targs.weight_decay * B / scale
+    net = _plain(model)
+    norm_biases = [m.bias for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    ids = {id(p) for p in norm_biases} | {id(net.whiten.bias)}
+    others = [p for p in net.parameters() if p.requires_grad and id(p) not in ids]
+    lr_b = lr * args.bias_lr_scale
+    groups = [dict(params=others, lr=lr, weight_decay=wd / lr),
+              dict(params=norm_biases, lr=lr_b, weight_decay=wd / lr_b),
+              dict(params=[net.whiten.bias], lr=lr, weight_decay=wd / lr)]  # frozen after whiten_bias_frac
+    return LookaheadSGD(groups, net, lr=lr, momentum=args.momentum, enabled=args.lookahead)
+
+
+def build_scheduler(optimizer, num_training_steps, args, targs):
+    """airbench's triangle: lr factor lr_start -> 1 (at lr_peak_at of training) -> lr_end, linear pieces."""
+    args = args or Args()
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner.total_steps = num_training_steps
+    peak = max(1, int(args.lr_peak_at * num_training_steps))
+
+    def triangle(step):
+        if step < peak:
+            return args.lr_start + (1 - args.lr_start) * step / peak
+        return 1 + (args.lr_end - 1) * (step - peak) / max(1, num_training_steps - peak)
+
+    freeze_at = args.whiten_bias_frac * num_training_steps
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, [triangle, triangle, lambda step: triangle(step) * (step < freeze_at)])
+
+
+if __name__ == "__main__":
+    from accel_trainer import run
+    run(sys.modules[__name__])

@@ -1,0 +1,378 @@
+"""recipes/cifar.py and recipes/cifar_data.py on a tiny CIFAR-format dataset that the tests write themselves.
+
+In-process: the loading code (Hub layout vs pickle folder), the device loader's sharding / ordering / augmentation,
+the whitening init, lookahead and the lr units. Subprocesses (as users run it): 1 process and `accelerate launch`
+with 2 processes end to end, and the missing-dataset error.
+"""
+import io
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+import cifar  # noqa: E402
+import cifar_data  # noqa: E402
+from cifar_data import DeviceLoader, augment_gather, load_cifar10  # noqa: E402
+
+N_TRAIN, N_TEST = 240, 60
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A tiny learnable CIFAR: class k is a noisy image whose mean colour and a bright row depend on k.
+
+
+def tiny_arrays(n, seed):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, n)
+    images = rng.integers(0, 80, (n, 32, 32, 3)).astype(np.int64)
+    images[np.arange(n), 3 * labels] += 150                       # a bright row whose position is the class
+    images[..., 0] += (labels * 10)[:, None, None]               # and a class-dependent red tint
+    return images.clip(0, 255).astype(np.uint8), labels.astype(np.int64)
+
+
+def write_hub_layout(root, train, test):
+    """Parquet files with PNG images, as uoft-cs/cifar10 (and ../shared/data/cifar10) are laid out."""
+    import datasets
+    from PIL import Image
+
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=list(cifar_data.CLASSES))})
+    os.makedirs(os.path.join(root, "plain_text"), exist_ok=True)
+    for split, (x, y) in (("train", train), ("test", test)):
+        pngs = []
+        for img in x:
+            buf = io.BytesIO()
+            Image.fromarray(img).save(buf, format="PNG")
+            pngs.append({"bytes": buf.getvalue(), "path": None})
+        ds = datasets.Dataset.from_dict({"img": pngs, "label": y.tolist()}, features=features)
+        ds.to_parquet(os.path.join(root, "plain_text", f"{split}-00000-of-00001.parquet"))
+    with open(os.path.join(root, "README.md"), "w") as f:
+        f.write("---\nconfigs:\n- config_name: plain_text\n  data_files:\n  - split: train\n    path: plain_text/train-*\n"
+                "  - split: test\n    path: plain_text/test-*\n  default: true\n---\n# tiny CIFAR-10 for tests\n")
+
+
+def write_pickle_folder(root, train, test):
+    """The original cifar-10-batches-py layout: 5 train batches + test_batch, rows of 3072 bytes in CHW order."""
+    d = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(d)
+    parts = np.array_split(np.arange(len(train[1])), 5)
+    files = [(f"data_batch_{i + 1}", train[0][p], train[1][p]) for i, p in enumerate(parts)]
+    for name, x, y in files + [("test_batch", test[0], test[1])]:
+        with open(os.path.join(d, name), "wb") as f:
+            pickle.dump({b"data": x.transpose(0, 3, 1, 2).reshape(len(x), -1), b"labels": y.tolist()}, f)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_cifar")
+    train, test = tiny_arrays(N_TRAIN, 0), tiny_arrays(N_TEST, 1)
+    write_hub_layout(str(root / "hub"), train, test)
+    pickles = write_pickle_folder(str(root / "pickle"), train, test)
+    return {"hub": str(root / "hub"), "pickle": pickles, "train": train, "test": test, "root": root}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_hub_layout_and_pickle_folder_load_the_same_arrays(tiny, tmp_path):
+    hub = load_cifar10(tiny["hub"], cache_dir=str(tmp_path / "cache"))
+    pkl = load_cifar10(tiny["pickle"], cache_dir=str(tmp_path / "cache"))
+    for split, (x, y) in (("train", tiny["train"]), ("test", tiny["test"])):
+        assert hub[split][0].dtype == np.uint8 and hub[split][0].shape == (len(y), 32, 32, 3)
+        np.testing.assert_array_equal(hub[split][0], x)      # PNG is lossless: the arrays we wrote
+        np.testing.assert_array_equal(hub[split][1], y)
+        np.testing.assert_array_equal(pkl[split][0], hub[split][0])
+        np.testing.assert_array_equal(pkl[split][1], hub[split][1])
+    # The parent of cifar-10-batches-py works too.
+    parent = load_cifar10(os.path.dirname(tiny["pickle"]), use_cache=False)
+    np.testing.assert_array_equal(parent["train"][0], hub["train"][0])
+
+
+def test_decoded_arrays_are_cached(tiny, tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    first = load_cifar10(tiny["hub"], cache_dir=cache)
+    assert any(f.endswith("train_images.npy") for _, _, fs in os.walk(cache) for f in fs)
+
+    def no_decoding(*a, **k):
+        raise AssertionError("decoded again although the arrays are cached")
+
+    monkeypatch.setattr(cifar_data, "_load_hub_layout", no_decoding)
+    second = load_cifar10(tiny["hub"], cache_dir=cache)
+    np.testing.assert_array_equal(first["train"][0], second["train"][0])
+
+
+def test_missing_dataset_raises_a_clear_error(tmp_path):
+    with pytest.raises(cifar_data.CifarDataError) as e:
+        load_cifar10(str(tmp_path / "nowhere"), cache_dir=str(tmp_path / "cache"))
+    msg = str(e.value)
+    assert "uoft-cs/cifar10" in msg and "cifar-10-batches-py" in msg and "nowhere" in msg
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(cifar_data.CifarDataError, match="cifar-10-batches-py"):
+        load_cifar10(str(empty), cache_dir=str(tmp_path / "cache"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The device loader
+
+
+def id_images(n, seed=0):
+    """Random images (so every transformed view identifies its source) with labels = sample ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8, generator=g), torch.arange(n)
+
+
+def epoch_ids(n, batch, world, epoch, seed=0, **kw):
+    """Per rank: the list of batches (sample ids) of one epoch."""
+    x, y = id_images(n)
+    out = []
+    for rank in range(world):
+        ld = DeviceLoader(x, y, batch, train=True, seed=seed, rank=rank, world_size=world, **kw)
+        ld.set_epoch(epoch)
+        out.append([b["labels"].tolist() for b in ld])
+    return out
+
+
+@pytest.mark.parametrize("n,batch,world", [(100, 8, 1), (100, 8, 2), (103, 8, 2), (101, 5, 3)])
+def test_every_sample_exactly_once_per_epoch_across_ranks(n, batch, world):
+    for epoch in (0, 1):
+        ranks = epoch_ids(n, batch, world, epoch)
+        assert len({len(r) for r in ranks}) == 1                          # same number of batches on every rank
+        seen = [i for r in ranks for b in r for i in b]
+        assert sorted(seen) == list(range(n))                             # each sample once, none missing
+        assert all(len(b) <= batch for r in ranks for b in r)
+
+
+def test_order_depends_on_seed_and_epoch_only():
+    e0, e1 = epoch_ids(100, 10, 2, 0), epoch_ids(100, 10, 2, 1)
+    assert e0 != e1                                                       # reshuffled each epoch
+    assert epoch_ids(100, 10, 2, 0) == e0                                 # same seed, same epoch: same order
+    assert epoch_ids(100, 10, 2, 0, seed=1) != e0                         # another seed: another order
+    # The global batches do not depend on the world size: 2 ranks x 10 == 1 rank x 20, batch by batch.
+    one = epoch_ids(100, 20, 1, 0)[0]
+    assert [sorted(a + b) for a, b in zip(*e0)] == [sorted(b) for b in one]
+
+
+def test_skip_first_batches_and_len():
+    x, y = id_images(100)
+    ld = DeviceLoader(x, y, 16, train=True, seed=3)
+    ld.set_epoch(2)
+    full = [b["labels"].tolist() for b in ld]
+    assert len(ld) == len(full) == 7
+    assert [b["labels"].tolist() for b in ld.skip_first_batches(3)] == full[3:]
+    assert len(DeviceLoader(x, y, 16, train=True, drop_last=True)) == 6
+
+
+def reference_view(img, flip, dy, dx, pad=2):
+    """numpy: mirror (if flip), reflect-pad by `pad`, crop 32x32 at offset (pad + dy, pad + dx)."""
+    img = img[:, ::-1] if flip else img
+    padded = np.pad(img, ((pad, pad), (pad, pad), (0, 0)), mode="reflect")
+    return padded[pad + dy:pad + dy + 32, pad + dx:pad + dx + 32]
+
+
+def test_augment_gather_matches_pad_crop_flip():
+    x, _ = id_images(6)
+    cases = [(False, 0, 0), (True, 0, 0), (False, 2, -1), (True, -2, 2), (True, 1, -2), (False, -1, 1)]
+    flip = torch.tensor([c[0] for c in cases])
+    dy, dx = torch.tensor([c[1] for c in cases]), torch.tensor([c[2] for c in cases])
+    out = augment_gather(x, torch.arange(6), flip, dy, dx, pad=2).numpy()
+    for i, (f, a, b) in enumerate(cases):
+        np.testing.assert_array_equal(out[i], reference_view(x[i].numpy(), f, a, b))
+
+
+def test_loader_batches_keep_labels_and_produce_expected_pixels():
+    x, y = id_images(64)
+    ld = DeviceLoader(x, y, 16, train=True, seed=0, flip="random", translate=2)
+    ld.set_epoch(0)
+    batch = next(iter(ld))
+    images = batch["images"]
+    assert images.shape == (16, 3, 32, 32) and images.dtype == torch.float32
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    mean, std = torch.tensor(cifar_data.MEAN) * 255, torch.tensor(cifar_data.STD) * 255
+    pixels = (images.permute(0, 2, 3, 1) * std + mean).round().to(torch.uint8).numpy()
+    views = {(f, a, b) for f in (False, True) for a in range(-2, 3) for b in range(-2, 3)}
+    used = set()
+    for img, label in zip(pixels, batch["labels"].tolist()):
+        # The image is a flip/translate of the source image its label names (labels are sample ids here).
+        match = [v for v in views if np.array_equal(img, reference_view(x[label].numpy(), *v))]
+        assert match, f"batch image with label {label} is no flip/translate of sample {label}"
+        used.update(match)
+    assert len({v[0] for v in used}) == 2                                # both mirrored and plain views occur
+
+
+def test_alternating_flip_mirrors_each_image_every_other_epoch():
+    x, y = id_images(32)
+    ld = DeviceLoader(x, y, 32, train=True, seed=0, flip="alternate", translate=0)
+    views = []
+    for epoch in (0, 1, 2):
+        ld.set_epoch(epoch)
+        b = next(iter(ld))
+        pixels = (b["images"].permute(0, 2, 3, 1) * torch.tensor(cifar_data.STD) * 255
+                  + torch.tensor(cifar_data.MEAN) * 255).round().to(torch.uint8)
+        views.append({int(i): bool(torch.equal(p, x[i].flip(1))) for p, i in zip(pixels, b["labels"])})
+    assert any(views[0].values()) and not all(views[0].values())
+    assert all(views[1][i] != views[0][i] and views[2][i] == views[0][i] for i in range(32))
+
+
+def test_eval_loader_is_unaugmented_and_sharded():
+    x, y = id_images(60)
+    parts = []
+    for rank in range(2):
+        ld = DeviceLoader(x, y, 10, train=False, rank=rank, world_size=2)
+        for b in ld:
+            for img, i in zip(b["images"], b["labels"].tolist()):
+                torch.testing.assert_close(img, cifar_data.normalize(x[i:i + 1])[0])
+            parts += b["labels"].tolist()
+    assert sorted(parts) == list(range(60))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model and optimisation pieces
+
+
+def test_whitening_layer_whitens_patches():
+    x, _ = tiny_arrays(200, 3)
+    images = cifar_data.normalize(torch.from_numpy(x))
+    net = cifar.CifarNet(widths=(8, 16, 16))
+    net.init_whitening(images, eps=0)
+    with torch.no_grad():
+        out = F.conv2d(images, net.whiten.weight[:12])                   # the first (positive) half
+    flat = out.permute(0, 2, 3, 1).reshape(-1, 12)
+    cov = flat.T @ flat / len(flat)
+    torch.testing.assert_close(cov, torch.eye(12), atol=2e-3, rtol=0)
+    assert not net.whiten.weight.requires_grad
+    assert net(images[:4].contiguous(memory_format=torch.channels_last)).shape == (4, 10)
+
+
+def test_lr_units_and_schedule():
+    net = cifar.CifarNet(widths=(8, 16, 16))
+    targs = type("T", (), dict(per_device_train_batch_size=1024, gradient_accumulation_steps=1, learning_rate=11.5,
+                               weight_decay=0.0153))()
+    args = cifar.Args()
+    opt = cifar.build_optimizer(net, args, targs)
+    # airbench94: lr 11.5 per 1024 examples with a summed loss == torch lr 1.5 on our mean loss at batch 1024.
+    assert opt.param_groups[0]["lr"] == pytest.approx(11.5 / (1 + 1 / 0.15), rel=1e-6)
+    assert opt.param_groups[1]["lr"] == pytest.approx(64 * opt.param_groups[0]["lr"])
+    # per-step decay lr * wd is airbench's (0.0153 * 1024 / (1024 * (1 + 1/0.15))) for every group
+    for g in opt.param_groups:
+        assert g["lr"] * g["weight_decay"] == pytest.approx(0.0153 / (1 + 1 / 0.15), rel=1e-6)
+    sched = cifar.build_scheduler(opt, 100, args, targs)
+    factors = []
+    for _ in range(100):
+        factors.append([g["lr"] / g["initial_lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    assert factors[0][0] == pytest.approx(0.2) and factors[23][0] == pytest.approx(1.0)
+    assert factors[99][0] == pytest.approx(1 + (0.07 - 1) * 76 / 77)
+    assert factors[29][2] > 0 and factors[30][2] == 0                   # whitening bias frozen after 30%
+
+
+def test_lookahead_pulls_weights_to_their_average():
+    torch.manual_seed(0)
+    net = cifar.CifarNet(widths=(4, 8, 8))
+    p = net.head.weight
+    opt = cifar.LookaheadSGD([{"params": [p]}], net, lr=0.1, momentum=0.5, start_frac=0.0, every=2)
+    opt.total_steps = 7
+    g = torch.randn_like(p)
+    plain = cifar.LookaheadSGD([{"params": [q := p.detach().clone().requires_grad_()]}], net, lr=0.1,
+                               momentum=0.5, enabled=False)
+    for step in range(1, 8):
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        plain.step()
+        if step == 2:                                                     # the average starts here, no pull yet
+            torch.testing.assert_close(p, q)
+        if step == 4:                                                     # pulled back: moved less than plain SGD
+            assert (p - q).abs().max() > 1e-4
+            assert ((p - q) * g).sum() > 0                                # ...i.e. less far along -g
+    # The last step copies the average into the net: every float tensor of the net equals its average.
+    for avg, cur in zip(opt.ema, opt._floats()):
+        torch.testing.assert_close(avg, cur)
+    sd = opt.state_dict()
+    assert sd["lookahead"]["step_count"] == 7
+    again = cifar.LookaheadSGD([{"params": [p]}], net, lr=0.1, momentum=0.5)
+    again.load_state_dict(sd)
+    assert again.step_count == 7 and len(again.ema) == len(opt.ema)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End to end, as users run it
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_recipe(args, nproc=1, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
+    return subprocess.run(launcher + [os.path.join(ROOT, "recipes", "cifar.py")] + [str(a) for a in args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def tiny_run_args(tiny, out, epochs=4):
+    return ["--dataset", tiny["hub"], "--cache_dir", str(tiny["root"] / "cache"), "--output_dir", out,
+            "--preset", "small", "--widths", "8,16,16", "--batch_size", 40, "--eval_batch_size", 30,
+            "--num_train_epochs", epochs, "--logging_steps", 1, "--disable_tqdm", "--mixed_precision", "no"]
+
+
+def read_run(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    with open(os.path.join(out, "run_config.json")) as f:
+        config = json.load(f)
+    return events, config
+
+
+def assert_trained(out):
+    events, config = read_run(out)
+    losses = [e["loss"] for e in events if "loss" in e]
+    assert len(losses) >= 8
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.1, losses       # loss falls
+    final = [e for e in events if "eval_tta_accuracy" in e]
+    assert final and 0 <= final[-1]["eval_accuracy"] <= 1 and 0 <= final[-1]["eval_tta_accuracy"] <= 1
+    assert os.path.getsize(os.path.join(out, "model.safetensors")) > 0
+    return events, config
+
+
+def test_end_to_end_one_process(tiny, tmp_path):
+    out = str(tmp_path / "out1")
+    proc = run_recipe(tiny_run_args(tiny, out))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    events, config = assert_trained(out)
+    assert config["num_processes"] == 1 and config["global_train_batch_size"] == 40
+    from safetensors.torch import load_file
+    assert "whiten.weight" in load_file(os.path.join(out, "model.safetensors"))
+
+
+def test_end_to_end_two_processes(tiny, tmp_path):
+    out = str(tmp_path / "out2")
+    proc = run_recipe(tiny_run_args(tiny, out), nproc=2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    events, config = assert_trained(out)
+    assert config["num_processes"] == 2                                  # a real world of 2, not 2 worlds of 1
+    assert config["global_train_batch_size"] == 40                       # --batch_size is global: 20 per process
+
+
+def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
+    proc = run_recipe(["--dataset", str(tmp_path / "no_such_folder"), "--cache_dir", str(tmp_path / "cache"),
+                       "--output_dir", str(tmp_path / "out")], timeout=120)
+    assert proc.returncode != 0
+    assert "uoft-cs/cifar10" in proc.stderr and "cifar-10-batches-py" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
