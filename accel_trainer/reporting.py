@@ -62,9 +62,11 @@ class Reporter:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(event) + "\n")
             shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in event.items())
-            if progress is not None:
-                progress.write(shown)
-            elif not self.quiet:
+            if self.quiet:
+                pass
+            elif progress is not None and not progress.disable:
+                progress.write(shown)  # keeps the bar intact
+            else:
                 print(shown, flush=True)
         if self.accelerator.trackers:
             self.accelerator.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=step)
