@@ -71,3 +71,32 @@ def test_only_the_main_process_prints_and_logs(runs):
     printed = [line for line in proc.stdout.splitlines() if line.startswith("step=") and "loss=" in line
                and "eval_loss" not in line]
     assert len(printed) == 12
+
+
+NOTEBOOK = """
+import json, sys
+sys.path.insert(0, {recipes!r})
+import regression
+from accelerate import notebook_launcher
+from accel_trainer import Trainer, TrainingArguments
+
+def train(out):
+    Trainer(regression, TrainingArguments(output_dir=out, max_steps=6, per_device_train_batch_size=8,
+            save_steps=0, disable_tqdm=True), regression.Args()).fit()
+
+notebook_launcher(train, args=({out!r},), num_processes=2)
+"""
+
+
+def test_notebook_launcher_forms_a_world_of_two(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import RECIPES, env
+
+    out = str(tmp_path / "nb")
+    proc = subprocess.run([sys.executable, "-c", NOTEBOOK.format(recipes=RECIPES, out=out)], capture_output=True,
+                          text=True, timeout=180, env=env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_config(out)["num_processes"] == 2
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [6]
