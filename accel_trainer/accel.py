@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import (
     DataLoaderConfiguration,
     DDPCommunicationHookType,
@@ -49,6 +50,11 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),
         GradScalerKwargs(),  # dynamic loss scaling with torch's defaults; only used under fp16
     ]
+    # Accelerate keeps its state in process-wide singletons: a second Trainer in the same notebook or test
+    # process would silently inherit the first one's precision and compile settings. Start each from clean
+    # (the process group, in PartialState, stays).
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
     return Accelerator(
         cpu=cpu,
         mixed_precision=args.mixed_precision,  # None: ACCELERATE_MIXED_PRECISION from the launcher/config

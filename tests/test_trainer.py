@@ -85,3 +85,21 @@ def test_ema_weights_are_evaluated_and_saved(tmp_path):
     raw = t.unwrapped_model.state_dict()
     assert_same_weights(saved, {k: v for k, v in ema.items() if k in saved}, rtol=0, atol=0)
     assert not torch.equal(saved["0.weight"], raw["0.weight"])
+
+
+def test_fp16_overflow_skips_are_counted_and_logged(tmp_path):
+    # Accelerate gives no GradScaler on the CPU, so we put torch's own in its place: the Trainer's fp16 path
+    # (scaler.step, overflow detection, skip counting, loss_scale logging) is the same on a GPU.
+    t = make(tmp_path, max_steps=6, logging_steps=6, lr_scheduler_type="constant")
+    t.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    weight = t.unwrapped_model[0].weight
+    overflow = {"on": False}
+    weight.register_hook(lambda g: g * float("inf") if overflow["on"] else g)
+    for step in range(6):
+        overflow["on"] = step == 2
+        before = weight.detach().clone()
+        t.train_step()
+        assert torch.equal(before, weight.detach()) == (step == 2)  # the overflowing update changed nothing
+    assert t.skipped_steps == 1
+    event = t._log()
+    assert event["skipped_steps"] == 1 and event["loss_scale"] == 2.0**9  # halved once by the overflow

@@ -1,0 +1,28 @@
+"""Each knob reaches Accelerate through its own kwargs handler / plugin (what Accelerate then does with it is
+Accelerate's, tested there; a real 2-process run with a comm hook is in test_parity.py)."""
+
+from datetime import timedelta
+
+from accelerate.utils import DDPCommunicationHookType
+
+from accel_trainer import TrainingArguments
+from accel_trainer.accel import build_accelerator
+
+
+def test_kwargs_handlers_carry_the_arguments(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), ddp_comm_hook="power_sgd", powersgd_rank=4,
+                             ddp_find_unused_parameters=True, ddp_timeout=77, torch_compile=True)
+    acc = build_accelerator(args)
+    assert acc.ddp_handler.comm_hook == DDPCommunicationHookType.POWER_SGD
+    assert acc.ddp_handler.comm_state_option == {"matrix_approximation_rank": 4}
+    assert acc.ddp_handler.find_unused_parameters is True
+    assert acc.init_handler.timeout == timedelta(seconds=77)
+    assert acc.state.dynamo_plugin.backend.value.lower() == "inductor"
+    assert acc.step_scheduler_with_optimizer is False  # we step the scheduler once per update ourselves
+
+
+def test_a_second_accelerator_does_not_inherit_the_first_ones_settings(tmp_path):
+    build_accelerator(TrainingArguments(output_dir=str(tmp_path), torch_compile=True, mixed_precision="bf16"))
+    acc = build_accelerator(TrainingArguments(output_dir=str(tmp_path)))
+    assert acc.state.dynamo_plugin.backend.value.lower() == "no"
+    assert acc.mixed_precision == "no"
