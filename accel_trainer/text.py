@@ -19,6 +19,8 @@ __all__ = [
     "load_config",
     "load_pretrained",
     "load_text_dataset",
+    "LengthGroupedBatches",
+    "length_grouped_train",
 ]
 
 
@@ -145,3 +147,81 @@ def load_text_dataset(
             f"Fix: pass --dataset_name a local dataset folder (Hub layout) or a Hub id that is reachable "
             f"(or cached), and a config name that exists in it."
         ) from err
+
+
+class LengthGroupedBatches:
+    """A batch loader (see docs/architecture.md) whose batches hold examples of similar length, so dynamic
+    padding pads little -- `group_by_length` of transformers' Trainer, for the recipe seam.
+
+    Per epoch: a permutation seeded by (seed, epoch); cut into mega-batches of `megabatch_mult` global batches;
+    each sorted by length; cut into global micro-batches of batch_size x world size; their order shuffled (so
+    lengths don't grow monotonically through the epoch). Rank r takes its contiguous share of each global batch.
+    The global batches therefore depend only on (seed, epoch, batch_size x world size): 1 process x batch 8
+    sees the same global batches as 2 processes x batch 4. The last incomplete global batch is split as evenly
+    as the ranks allow (the Trainer weights by item count, so unequal shares are still exact); only a tail
+    smaller than the world size is dropped, so that no rank gets an empty batch.
+    """
+
+    def __init__(self, dataset, lengths, batch_size: int, collate, accelerator, seed: int = 0,
+                 megabatch_mult: int = 50):
+        if len(lengths) != len(dataset):
+            raise ValueError(f"{len(lengths)} lengths for {len(dataset)} examples")
+        self.dataset, self.lengths, self.collate = dataset, list(lengths), collate
+        self.batch_size, self.seed, self.megabatch_mult = batch_size, seed, megabatch_mult
+        self.world, self.rank = accelerator.num_processes, accelerator.process_index
+        self.device = accelerator.device
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        perm = torch.randperm(len(self.lengths), generator=g).tolist()
+        size = self.batch_size * self.world
+        mega = size * self.megabatch_mult
+        batches = []
+        for i in range(0, len(perm), mega):
+            chunk = sorted(perm[i: i + mega], key=lambda j: self.lengths[j], reverse=True)
+            batches += [chunk[k: k + size] for k in range(0, len(chunk), size)]
+        full = [b for b in batches if len(b) == size]
+        tail = [j for b in batches if len(b) < size for j in b]
+        order = torch.randperm(len(full), generator=g).tolist()
+        out = [full[i] for i in order]
+        if len(tail) >= self.world:
+            out.append(sorted(tail, key=lambda j: self.lengths[j], reverse=True))
+        return out
+
+    def _shard(self, batch: list[int]) -> list[int]:
+        # contiguous near-equal shares: rank r gets [r*n//W, (r+1)*n//W)
+        n = len(batch)
+        return batch[self.rank * n // self.world: (self.rank + 1) * n // self.world]
+
+    def __len__(self) -> int:
+        # mega-batches are whole multiples of the global batch, so only the very last global batch is partial
+        size = self.batch_size * self.world
+        return len(self.lengths) // size + (len(self.lengths) % size >= self.world)
+
+    def skip_first_batches(self, n: int):
+        return self._iter(n)
+
+    def __iter__(self):
+        return self._iter(0)
+
+    def _iter(self, skip: int):
+        from accelerate.utils import send_to_device
+
+        for batch in self.global_batches(self.epoch)[skip:]:
+            yield send_to_device(self.collate([self.dataset[j] for j in self._shard(batch)]), self.device)
+
+
+def length_grouped_train(train, targs, collate, accelerator, column: str = "input_ids"):
+    """`LengthGroupedBatches` over a tokenised train split, honouring --max_train_samples (the Trainer applies
+    it only to datasets it batches itself)."""
+    if targs.max_train_samples is not None and targs.max_train_samples < len(train):
+        train = train.select(range(targs.max_train_samples))
+    lengths = [len(x) for x in train[column]]
+    return LengthGroupedBatches(train, lengths, targs.per_device_train_batch_size, collate, accelerator,
+                                seed=targs.seed)

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from accel_trainer.text import MissingInputError, load_config, load_pretrained, load_text_dataset, load_tokenizer
+from accel_trainer.text import (MissingInputError, length_grouped_train, load_config, load_pretrained,
+                                load_text_dataset, load_tokenizer)
 
 name = "causal_lm"
 
@@ -55,19 +56,26 @@ class Args:
     packing: bool = field(
         default=True, metadata={"help": "Pack the token stream into block_size blocks. false: one line = one "
                                         "example (truncated to block_size, padded per batch)."})
+    group_by_length: bool = field(
+        default=False, metadata={"help": "With --packing false: batches of similar length (less padding)."})
+    cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "Where downloaded models/datasets and the tokenised cache go "
+                                        "(default: the Hugging Face caches)."})
     sample_prompt: str = field(default="", metadata={"help": "Prompt for the sample generated at each eval."})
     sample_max_new_tokens: int = field(default=40, metadata={"help": "Length of that sample; 0 = no sample."})
 
     def __post_init__(self):
         if not (self.dataset_name or self.train_file):
             raise ValueError("no data: pass --train_file <text file> or --dataset_name <Hub id or local folder>.")
+        if self.group_by_length and self.packing:
+            raise ValueError("--group_by_length needs --packing false (packed blocks all have --block_size tokens).")
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (one input and one target token), got {self.block_size}.")
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer(name_or_path: str):
-    tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path")
+def _tokenizer(name_or_path: str, cache_dir: Optional[str] = None):
+    tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path", cache_dir=cache_dir)
     if tok.pad_token is None:  # GPT-2 has none; padded positions are masked out of attention and loss anyway
         tok.pad_token = tok.eos_token
     return tok
@@ -77,20 +85,20 @@ def tokenizer_for(args):
     name_or_path = args.tokenizer_name or args.model_name_or_path
     if not name_or_path:
         raise MissingInputError("no tokenizer: pass --tokenizer_name (Hub id or folder) or --model_name_or_path.")
-    return _tokenizer(name_or_path)
+    return _tokenizer(name_or_path, args.cache_dir)
 
 
 def build_model(args, targs):
     from transformers import AutoModelForCausalLM
 
     if args.config_name:
-        config = load_config(args.config_name)
+        config = load_config(args.config_name, cache_dir=args.cache_dir)
         if args.config_overrides:
             config.update_from_string(args.config_overrides)
         config.vocab_size = len(tokenizer_for(args))  # a from-scratch model must fit its tokenizer
         model = AutoModelForCausalLM.from_config(config)
     else:
-        model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path)
+        model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, cache_dir=args.cache_dir)
     max_pos = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if max_pos is not None and args.block_size > max_pos:
         raise ValueError(f"--block_size {args.block_size} is longer than the model's {max_pos} positions.")
@@ -99,14 +107,14 @@ def build_model(args, targs):
 
 def _load_raw(args):
     if args.dataset_name:
-        raw = load_text_dataset(args.dataset_name, args.dataset_config_name)
+        raw = load_text_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir)
     else:
         files = {"train": args.train_file}
         if args.validation_file:
             files["validation"] = args.validation_file
         # keep_linebreaks: packed text keeps its line structure (matters for verse/code); per-line examples don't
         kwargs = {"keep_linebreaks": args.packing} if args.train_file.endswith((".txt", ".text")) else {}
-        raw = load_text_dataset(data_files=files, **kwargs)
+        raw = load_text_dataset(data_files=files, cache_dir=args.cache_dir, **kwargs)
     if "train" not in raw:
         raise MissingInputError(f"the dataset has no 'train' split (it has {list(raw)}).")
     if "validation" not in raw:
@@ -170,6 +178,8 @@ def build_data(args, targs, accelerator):
             out[k] = ds
     global _pad_id
     _pad_id = tokenizer.pad_token_id
+    if args.group_by_length:  # our own batch loader instead of the Trainer's shuffled DataLoader
+        out["train"] = length_grouped_train(out["train"], targs, collate, accelerator)
     return out
 
 

@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from accel_trainer.text import MissingInputError, load_config, load_pretrained, load_text_dataset, load_tokenizer
+from accel_trainer.text import (MissingInputError, length_grouped_train, load_config, load_pretrained,
+                                load_text_dataset, load_tokenizer)
 
 name = "glue"
 
@@ -58,6 +59,12 @@ class Args:
     max_seq_length: int = field(default=128, metadata={"help": "Truncate pairs to this many tokens."})
     pad_to_multiple_of: Optional[int] = field(
         default=None, metadata={"help": "Pad each batch to a multiple of this (8 helps fp16 tensor cores)."})
+    group_by_length: bool = field(
+        default=False, metadata={"help": "Train on batches of similar length (less padding, faster); the order "
+                                         "is still a function of seed and epoch only."})
+    cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "Where downloaded models/datasets and the tokenised cache go "
+                                        "(default: the Hugging Face caches)."})
 
     def __post_init__(self):
         if self.task_name not in TASK_TO_KEYS:
@@ -65,16 +72,16 @@ class Args:
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer(name_or_path: str):
+def _tokenizer(name_or_path: str, cache_dir: Optional[str] = None):
     # Cached: build_model, build_data and collate all need the same tokenizer; load it once per process.
-    tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path")
+    tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path", cache_dir=cache_dir)
     if tok.pad_token is None:  # GPT-2 style tokenizers have no pad token; padding is masked out anyway
         tok.pad_token = tok.eos_token
     return tok
 
 
 def tokenizer_for(args):
-    return _tokenizer(args.tokenizer_name or args.model_name_or_path)
+    return _tokenizer(args.tokenizer_name or args.model_name_or_path, args.cache_dir)
 
 
 def build_model(args, targs):
@@ -82,7 +89,7 @@ def build_model(args, targs):
 
     num_labels = NUM_LABELS.get(args.task_name, 2)
     if args.config_name:
-        config = load_config(args.config_name, num_labels=num_labels)
+        config = load_config(args.config_name, num_labels=num_labels, cache_dir=args.cache_dir)
         model = AutoModelForSequenceClassification.from_config(config)
     else:
         # A base checkpoint (e.g. bert-base-cased) gets a freshly initialised classifier head of num_labels.
@@ -102,7 +109,7 @@ def build_data(args, targs, accelerator):
 
     global _collator
     tokenizer = tokenizer_for(args)
-    raw = load_text_dataset(args.dataset_name, args.task_name)
+    raw = load_text_dataset(args.dataset_name, args.task_name, cache_dir=args.cache_dir)
     eval_split = args.eval_split or EVAL_SPLIT.get(args.task_name, "validation")
     for split in ("train", eval_split):
         if split not in raw:
@@ -126,6 +133,8 @@ def build_data(args, targs, accelerator):
         }
     splits = {k: ds.rename_column("label", "labels") for k, ds in splits.items()}
     _collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=args.pad_to_multiple_of)
+    if args.group_by_length:  # our own batch loader instead of the Trainer's shuffled DataLoader
+        splits["train"] = length_grouped_train(splits["train"], targs, collate, accelerator)
     return splits
 
 

@@ -183,6 +183,40 @@ def run_recipe(recipe: str, args: list[str], tmp_path, nproc: int = 1, timeout: 
                           cwd=str(tmp_path))
 
 
+def load_recipe_module(recipe: str):
+    """recipes/<recipe>.py as a module, to call its functions directly."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"text_recipe_{recipe}", os.path.join(REPO, "recipes", f"{recipe}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+class OneProcess:
+    """Stands in for the Accelerator in build_data called in-process: one process, on the CPU."""
+
+    num_processes, process_index, is_main_process = 1, 0, True
+
+    def __init__(self, num_processes: int = 1, process_index: int = 0):
+        import torch
+
+        self.num_processes, self.process_index, self.device = num_processes, process_index, torch.device("cpu")
+
+    def main_process_first(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def targs(**kw):
+    """A TrainingArguments for in-process calls to recipe functions."""
+    from accel_trainer import TrainingArguments
+
+    return TrainingArguments(**{"output_dir": "unused", **kw})
+
+
 def read_jsonl(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
