@@ -377,6 +377,22 @@ class Trainer:
             out["n_items"] = (n.float() / B).expand(B)
         return out
 
+    def gather_eval(self, out: dict) -> dict:
+        """Per-sample eval tensors of this rank's batch -> those of every rank, each sample of the split once.
+        Also for recipes' eval hooks (e.g. test-time augmentation) that loop over `trainer.eval_loader`."""
+        acc = self.accelerator
+        if isinstance(self.eval_loader, DataLoaderShard):
+            return acc.gather_for_metrics(out)  # drops the samples Accelerate repeated to even out the ranks
+        if acc.num_processes == 1:
+            return out
+        # A recipe's batch loader gives disjoint shards whose batch sizes may differ by rank: pad to a common
+        # size, gather, and keep the real rows (all ranks must yield the same number of batches).
+        # (int64, not bool: gloo cannot gather bool tensors.)
+        out = dict(out, _valid=torch.ones(len(next(iter(out.values()))), dtype=torch.int64, device=acc.device))
+        gathered = acc.gather(acc.pad_across_processes(out, dim=0))
+        valid = gathered.pop("_valid").bool()
+        return {k: v[valid] for k, v in gathered.items()}
+
     @torch.no_grad()
     def evaluate(self, final: bool = False) -> dict:
         """Loss and metrics over the whole eval split; every sample counted once on any world size."""
@@ -392,11 +408,7 @@ class Trainer:
             n_samples = 0
             self.eval_loader.set_epoch(0) if hasattr(self.eval_loader, "set_epoch") else None
             for batch in self.eval_loader:
-                out = self._eval_outputs(model, batch)
-                if isinstance(self.eval_loader, DataLoaderShard):
-                    out = acc.gather_for_metrics(out)  # drops the samples Accelerate repeated to even out ranks
-                else:  # a recipe's own loader gives disjoint shards: gather as they are
-                    out = acc.gather(out) if acc.num_processes > 1 else out
+                out = self.gather_eval(self._eval_outputs(model, batch))
                 loss_sum += out["loss"].double().sum()
                 n_sum += out["n_items"].double().sum()
                 n_samples += len(out["loss"])
