@@ -26,3 +26,23 @@ def test_a_second_accelerator_does_not_inherit_the_first_ones_settings(tmp_path)
     acc = build_accelerator(TrainingArguments(output_dir=str(tmp_path)))
     assert acc.state.dynamo_plugin.backend.value.lower() == "no"
     assert acc.mixed_precision == "no"
+
+
+def test_mixed_precision_unset_follows_the_launcher_and_set_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch` exports from its config
+    assert build_accelerator(TrainingArguments(output_dir=str(tmp_path))).mixed_precision == "bf16"
+    assert build_accelerator(TrainingArguments(output_dir=str(tmp_path), mixed_precision="no")).mixed_precision == "no"
+
+
+def test_console_script_train(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import RECIPES, env
+
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, "-m", "accel_trainer.cli", "train", f"{RECIPES}/regression.py",
+                           "--output_dir", str(out), "--max_steps", "2", "--disable_tqdm"],
+                          capture_output=True, text=True, timeout=120, env=env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "model.safetensors").exists()
