@@ -186,8 +186,7 @@ def launch_argv(a, config) -> list[str]:
     if a.main_process_port is not None:
         cmd += ["--main_process_port", str(a.main_process_port)]
     if int(config.num_machines or 1) > 1:
-        cmd += ["--machine_rank", str(a.machine_rank),
-                "--rdzv_conf", topology.rdzv_conf(config.rdzv_backend, a.timeout)]
+        cmd += ["--machine_rank", str(a.machine_rank)] + topology.rdzv_flags(config.rdzv_backend, a.timeout)
     return cmd + ["-m", "accel_trainer.preflight", "--worker", "--timeout", str(a.timeout)]
 
 

@@ -354,12 +354,22 @@ def reachable(host: str, port: int, timeout_s: float = 5.0) -> tuple[bool, str]:
 def rdzv_conf(backend: str, timeout_s: int) -> str:
     """The torchrun `--rdzv_conf` value bounding the wait for missing machines.
 
-    static: machine 0 hosts a TCPStore that waits `timeout` seconds for the others (torch default 600 s),
+    static: machine 0 hosts a TCPStore that waits `timeout` seconds for the others (torchrun passes 900 s),
     then fails with "Timed out after N seconds waiting for clients. k/n clients joined.".
     c10d: `join_timeout` bounds the rendezvous (default 600 s), then RendezvousTimeoutError.
     An accelerate config file cannot hold this (ClusterConfig has no field), so it goes on the command line.
     """
     return f"timeout={int(timeout_s)}" if backend == "static" else f"join_timeout={int(timeout_s)}"
+
+
+def rdzv_flags(backend: str, timeout_s: int) -> list[str]:
+    """`--rdzv_backend` and `--rdzv_conf` for a multi-machine launch.
+
+    The backend must be on the command line: accelerate 1.15 ignores `rdzv_backend` from the config file
+    (its `--rdzv_backend` flag defaults to "static", and config values only fill flags that are None), so a
+    c10d config launched without the flag silently runs a static rendezvous -- no elastic restarts.
+    """
+    return ["--rdzv_backend", backend or "static", "--rdzv_conf", rdzv_conf(backend or "static", timeout_s)]
 
 
 def launch_command(
@@ -373,7 +383,7 @@ def launch_command(
     """The `accelerate launch` line to run on machine `machine_rank` (one config file for all machines)."""
     cmd = ["accelerate", "launch", "--config_file", config_path]
     if int(config.num_machines or 1) > 1:
-        cmd += ["--machine_rank", str(machine_rank), "--rdzv_conf", rdzv_conf(config.rdzv_backend, rdzv_timeout_s)]
+        cmd += ["--machine_rank", str(machine_rank)] + rdzv_flags(config.rdzv_backend, rdzv_timeout_s)
     if max_restarts:
         cmd += ["--max_restarts", str(max_restarts)]
     return " ".join(shlex.quote(c) for c in cmd) + f" {script} --output_dir runs/<name>"

@@ -1,0 +1,214 @@
+"""Real launches on this machine: two `accelerate launch` invocations as machine 0 and 1 on 127.0.0.1 (static and
+c10d rendezvous, gloo, 1 process each) train to the weights of one process over the same global batch; a c10d
+run with --max_restarts 1 survives a worker failing once; and each way a world can go wrong ends with a clear
+error, a non-zero exit and no hang (every wait below is bounded)."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import ROOT, assert_same_weights, env, free_port, weights
+from accel_trainer import wizard
+from accel_trainer.topology import rdzv_flags
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+STEPS, PER_DEVICE = 4, 8  # global batch 16: 2 machines x 1 process x 8, or 1 process x 16
+BOUND = 60  # seconds within which every failure must have ended
+
+
+def two_machine_config(tmp_path, rdzv, port):
+    """The loopback topology, written by the wizard itself (non-interactive)."""
+    rc = wizard.main(["--dir", str(tmp_path), "--name", f"loop_{rdzv}", "--machines", "2", "--processes-per-machine",
+                      "1", "--cpu", "--main-ip", "127.0.0.1", "--main-port", str(port), "--rdzv", rdzv])
+    assert rc == 0
+    return str(tmp_path / f"loop_{rdzv}.yaml")
+
+
+def start(cmd, log):
+    f = open(log, "w")
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT,
+                            start_new_session=True), f
+
+
+def finish(procs, timeout):
+    """Wait for all; kill what is left at the deadline (so a hang fails the test instead of blocking CI)."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p, f in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            codes.append(p.wait(timeout=10))
+        f.close()
+    return codes
+
+
+def wait_listening(port, proc, timeout=60):
+    """Until machine 0 listens on `port` (bounded). On one host machine 1 must start after machine 0's launcher
+    has checked that the port is free, or it could take the port first (c10d hosts the store on any machine
+    whose address matches the endpoint, and here both do)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+
+
+def two_launches(cfg, port, tmp_path, script_and_args, rdzv, extra=(), timeout=120):
+    """Machine 0 and machine 1, as `accel-trainer config` prints them (rendezvous flags included)."""
+    procs = []
+    for rank in (0, 1):
+        cmd = LAUNCH + ["--config_file", cfg, "--machine_rank", str(rank), *rdzv_flags(rdzv, 60), *extra]
+        procs.append(start(cmd + [a.format(rank=rank) for a in script_and_args], tmp_path / f"machine{rank}.log"))
+        if rank == 0:
+            wait_listening(port, procs[0][0])
+    codes = finish(procs, timeout)
+    logs = [(tmp_path / f"machine{r}.log").read_text() for r in (0, 1)]
+    return codes, logs
+
+
+@pytest.fixture(scope="module")
+def one_process_weights(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    proc = subprocess.run([sys.executable, "recipes/regression.py", "--output_dir", str(out), "--max_steps",
+                           str(STEPS), "--per_device_train_batch_size", str(2 * PER_DEVICE)],
+                          capture_output=True, text=True, timeout=180, env=env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return weights(out)
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_two_machines_on_loopback_train_like_one_process(tmp_path, rdzv, one_process_weights):
+    port = free_port()
+    cfg = two_machine_config(tmp_path, rdzv, port)
+    # Each "machine" gets its own output folder, as two real machines would.
+    codes, logs = two_launches(cfg, port, tmp_path, ["recipes/regression.py", "--output_dir", str(tmp_path / "out{rank}"),
+                                               "--max_steps", str(STEPS), "--per_device_train_batch_size",
+                                               str(PER_DEVICE)], rdzv)
+    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    import json
+
+    run_config = json.loads((tmp_path / "out0" / "run_config.json").read_text())
+    assert '"num_processes": 2' in json.dumps(run_config), run_config  # a world of 2, not two worlds of 1
+    assert_same_weights(weights(tmp_path / "out0"), one_process_weights)
+
+
+FAIL_ONCE = textwrap.dedent("""
+    import os, sys, time, torch
+    from accelerate import Accelerator
+    from accel_trainer.topology import check_world, process_group_kwargs
+    marker = sys.argv[1]
+    first_round = not os.path.exists(marker)  # read before the barrier, so both ranks agree
+    acc = Accelerator(cpu=True, kwargs_handlers=[process_group_kwargs(30)])
+    check_world(acc)
+    acc.wait_for_everyone()
+    if first_round:
+        if acc.process_index == 1:
+            open(marker, "w").close()
+            sys.exit(3)  # this worker fails, once
+        time.sleep(90)  # the survivor idles; its agent restarts it when the failed machine re-joins
+        sys.exit(4)  # never restarted: the test fails
+    total = acc.reduce(torch.ones(1), "sum").item()
+    restarts = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    print(f"SURVIVED world={acc.num_processes} sum={total} restarts_used_here={restarts}", flush=True)
+""")
+
+
+def test_c10d_with_max_restarts_survives_one_worker_failure(tmp_path):
+    script = tmp_path / "fail_once.py"
+    script.write_text(FAIL_ONCE)
+    port = free_port()
+    cfg = two_machine_config(tmp_path, "c10d", port)
+    codes, logs = two_launches(cfg, port, tmp_path, [str(script), str(tmp_path / "failed_once")], "c10d",
+                               extra=["--max_restarts", "1"])
+    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    both = "".join(logs)
+    assert (tmp_path / "failed_once").exists()  # a worker did fail
+    assert both.count("SURVIVED world=2 sum=2.0") == 2, both[-3000:]  # printed by every process of the new world
+    assert "restarts_used_here=1" in both, both[-3000:]
+
+
+def test_missing_peer_static_fails_within_bound(tmp_path):
+    cfg = two_machine_config(tmp_path, "static", free_port())
+    t0 = time.monotonic()
+    proc = subprocess.run(LAUNCH + ["--config_file", cfg, "--machine_rank", "0", *rdzv_flags("static", 8),
+                                    "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert took < BOUND, took
+    # torch's own words: how many machines joined out of how many.
+    assert "waiting for clients. 1/2 clients joined" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_missing_peer_c10d_fails_within_bound(tmp_path):
+    cfg = two_machine_config(tmp_path, "c10d", free_port())
+    t0 = time.monotonic()
+    proc = subprocess.run(LAUNCH + ["--config_file", cfg, "--machine_rank", "0", *rdzv_flags("c10d", 8),
+                                    "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert took < BOUND, took
+    assert "RendezvousTimeoutError" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cfg = two_machine_config(tmp_path, "static", busy.getsockname()[1])
+        t0 = time.monotonic()
+        proc = subprocess.run(LAUNCH + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=8",
+                                        "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
+                              capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < BOUND
+    assert "another process is utilizing it" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("how", ["cpu_flag", "multi_cpu_config"])
+def test_launch_that_runs_one_process_instead_of_two_is_stopped(tmp_path, how):
+    """The silent world-size-1 traps: both start ONE process; the Trainer's check_world must refuse to train."""
+    if how == "cpu_flag":
+        launch = ["--cpu", "--num_processes", "2"]
+    else:
+        cfg = tmp_path / "multi_cpu.yaml"
+        cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: 'no'\n"
+                       "num_machines: 1\nnum_processes: 2\nuse_cpu: true\n")
+        launch = ["--config_file", str(cfg)]
+    proc = subprocess.run(LAUNCH + launch + ["recipes/regression.py", "--output_dir", str(tmp_path / "o"),
+                                             "--max_steps", "2"],
+                          capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-2000:]
+    assert "total processes: expected 2, joined 1" in out, out[-2000:]
+    assert "--multi_gpu" in out  # the fix is named
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+NAIVE = textwrap.dedent("""
+    from accelerate import Accelerator
+    from accel_trainer.topology import check_world
+    check_world(Accelerator())  # no cpu=True on a machine without CUDA
+    print("TRAINED ALONE", flush=True)
+""")
+
+
+def test_each_process_alone_in_a_world_of_one_is_stopped(tmp_path):
+    script = tmp_path / "naive.py"
+    script.write_text(NAIVE)
+    proc = subprocess.run(LAUNCH + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
+                                    str(free_port()), str(script)],
+                          capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "TRAINED ALONE" not in out
+    assert "WORLD_SIZE=2" in out and "joined a world of 1" in out and "cpu=True" in out, out[-2000:]
