@@ -1,0 +1,165 @@
+"""check_world and the config rules without launching anything (fast); tests/test_topology_launch.py does it for
+real. Each case is a world that went wrong in a way people hit, and the error must name the difference and fix."""
+
+from types import SimpleNamespace
+
+import pytest
+from accelerate.commands.config.config_args import ClusterConfig
+
+from accel_trainer import topology
+from accel_trainer.errors import UserError
+from accel_trainer.topology import TopologyError, check_world
+
+TORCHRUN_VARS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "GROUP_RANK")
+
+
+def acc(n, index=0):
+    return SimpleNamespace(num_processes=n, process_index=index, local_process_index=index)
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    for k in TORCHRUN_VARS:
+        monkeypatch.delenv(k, raising=False)
+
+    def set_env(world, local, machines, group_rank=0):
+        for k, v in zip(TORCHRUN_VARS, (world, local, machines, group_rank)):
+            monkeypatch.setenv(k, str(v))
+
+    return set_env
+
+
+def test_topology_error_is_a_runtime_and_user_error():
+    assert issubclass(TopologyError, RuntimeError) and issubclass(TopologyError, UserError)
+
+
+def test_matching_world_passes(torchrun_env):
+    torchrun_env(world=4, local=2, machines=2)
+    w = check_world(acc(4), {"num_processes": 4, "num_machines": 2})
+    assert (w.num_processes, w.num_machines, w.processes_per_machine) == (4, 2, 2)
+
+
+def test_launched_two_but_each_process_alone(torchrun_env):
+    torchrun_env(world=2, local=2, machines=1)
+    with pytest.raises(TopologyError, match=r"WORLD_SIZE=2 .* joined a world of 1.*cpu=True"):
+        check_world(acc(1))
+
+
+def test_num_processes_read_as_per_machine(torchrun_env):
+    # The config said num_processes=8 meaning "8 per machine" on 2 machines: torchrun started 4 per machine.
+    torchrun_env(world=8, local=4, machines=2)
+    with pytest.raises(TopologyError) as e:
+        check_world(acc(8), {"num_processes": 16, "num_machines": 2})
+    msg = str(e.value)
+    assert "total processes: expected 16, joined 8" in msg
+    assert "processes on this machine: expected 8, started 4" in msg
+    assert "TOTAL over all machines" in msg
+
+
+def test_not_divisible_names_the_floor(torchrun_env):
+    torchrun_env(world=2, local=1, machines=2)
+    with pytest.raises(TopologyError, match=r"not divisible by num_machines=2; accelerate starts num_processes // "
+                                            r"num_machines = 1 per machine"):
+        check_world(acc(2), {"num_processes": 3, "num_machines": 2})
+
+
+def test_fewer_machines_joined(torchrun_env):
+    torchrun_env(world=8, local=8, machines=1)
+    with pytest.raises(TopologyError, match="machines: expected 2, joined 1"):
+        check_world(acc(8), {"num_processes": 8, "num_machines": 2, "processes_per_machine": 8})
+
+
+def test_machine_rank_out_of_range(torchrun_env):
+    torchrun_env(world=2, local=1, machines=2, group_rank=2)
+    with pytest.raises(TopologyError, match="Machine rank 2 is out of range for 2 machines"):
+        check_world(acc(2))
+
+
+def test_plain_python_is_a_world_of_one(torchrun_env, monkeypatch):
+    monkeypatch.setattr(topology, "launcher_world", lambda: None)
+    assert check_world(acc(1)).num_processes == 1
+
+
+def test_launch_command_line_is_read_like_accelerate_reads_it(tmp_path):
+    w = topology.world_from_launch_argv(["--cpu", "--num_processes", "2", "train.py", "--num_processes", "9"])
+    assert (w.num_processes, w.num_machines, w.distributed_type, w.launcher_flags) == (2, 1, "MULTI_CPU", "--cpu")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: 'no'\nuse_cpu: true\n")
+    w = topology.world_from_launch_argv(["--config_file", str(cfg), "train.py"])
+    assert (w.num_processes, w.distributed_type) == (2, "MULTI_CPU")
+    # Flags win over the file, as in accelerate.
+    w = topology.world_from_launch_argv(["--config_file", str(cfg), "--num_processes", "4", "--num_machines", "2",
+                                         "train.py"])
+    assert (w.num_processes, w.num_machines, w.processes_per_machine) == (4, 2, 2)
+    assert topology._launch_argv_of(["/usr/bin/python3", "/x/bin/accelerate", "launch", "--cpu", "t.py"]) == [
+        "--cpu", "t.py"]
+    assert topology._launch_argv_of(["python", "-m", "accelerate.commands.launch", "t.py"]) == ["t.py"]
+    assert topology._launch_argv_of(["python", "train.py", "launch"]) is None
+
+
+def test_multi_cpu_trap_from_the_launch_line_names_the_fix(torchrun_env, monkeypatch):
+    monkeypatch.setattr(topology, "launcher_world",
+                        lambda: topology.world_from_launch_argv(["--cpu", "--num_processes", "2", "t.py"]))
+    with pytest.raises(TopologyError, match=r"expected 2, joined 1.*ONE process.*--multi_gpu"):
+        check_world(acc(1))
+
+
+def config(**kw):
+    base = dict(compute_environment="LOCAL_MACHINE", distributed_type="MULTI_GPU", mixed_precision="no",
+                use_cpu=False, debug=False, num_processes=16, num_machines=2, main_process_ip="10.0.0.1",
+                main_process_port=29500)
+    base.update(kw)
+    return ClusterConfig(**base)
+
+
+@pytest.mark.parametrize("kw, gpus, words", [
+    (dict(num_processes=15, num_machines=2), None, "not a multiple of num_machines"),
+    (dict(distributed_type="MULTI_CPU", num_processes=2, num_machines=1, use_cpu=True), None, "ONE process"),
+    (dict(main_process_port=70000), None, "out of range"),
+    (dict(main_process_ip=None), None, "main_process_ip is required"),
+    (dict(machine_rank=2), None, "machine_rank=2 out of range"),
+    (dict(rdzv_backend="etcd"), None, "rdzv_backend"),
+    (dict(), 0, "no GPU is visible"),
+    (dict(), 4, "only 4 GPUs are visible"),
+    (dict(distributed_type="FSDP", use_cpu=True), None, "FSDP on CPU"),
+    (dict(use_cpu=True, mixed_precision="fp16"), None, "fp16 mixed precision needs a GPU"),
+])
+def test_bad_configs_are_refused_with_the_reason(kw, gpus, words):
+    problems = topology.validate_config(config(**kw), gpus_detected=gpus)
+    assert any(words in p for p in problems), problems
+
+
+def test_good_config_has_no_problems():
+    assert topology.validate_config(config(), gpus_detected=8) == []
+    assert topology.validate_config(config(), gpus_detected=None) == []
+
+
+def test_port_checks_are_bounded_and_say_why():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        free, why = topology.port_free(port)
+        assert not free and "already in use" in why
+        up, why = topology.reachable("127.0.0.1", port, timeout_s=2)
+        assert up and "accepts connections" in why
+    assert topology.port_free(port)[0]
+    up, why = topology.reachable("127.0.0.1", port, timeout_s=2)
+    assert up and "nothing listens" in why
+    up, why = topology.reachable("machine0.invalid", port, timeout_s=2)
+    assert not up and "cannot resolve" in why
+
+
+def test_rendezvous_flags():
+    assert topology.rdzv_flags("static", 30) == ["--rdzv_backend", "static", "--rdzv_conf", "timeout=30"]
+    assert topology.rdzv_flags("c10d", 30) == ["--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=30"]
+
+
+def test_process_group_timeout_is_bounded_and_validated():
+    import datetime
+
+    assert topology.process_group_kwargs(90).timeout == datetime.timedelta(seconds=90)
+    with pytest.raises(ValueError, match="positive"):
+        topology.process_group_kwargs(0)
