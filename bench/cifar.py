@@ -1,0 +1,148 @@
+"""Benchmark recipes/cifar.py: time to target accuracy, images/s, peak memory and accuracy, over several seeds.
+
+    python bench/cifar.py --dataset ../shared/data/cifar10 --seeds 5                 # default preset (a GPU)
+    python bench/cifar.py --preset small --dataset ../shared/data/cifar10 --seeds 2  # the CPU preset
+    python bench/cifar.py --seeds 5 --torch_compile --warmup                         # compile warm-up excluded
+
+Every flag after the bench's own is passed to the recipe (any TrainingArguments or recipe flag).
+
+Timing, the airbench way: `train_s` is the time of Trainer.fit() -- training plus the final eval with TTA --
+minus the per-epoch evals (which are only there to draw the accuracy curve), with the data already on the device
+and the model built (whitening init included: it is part of the method). `--warmup` first runs a short throwaway
+run so that torch.compile / cuDNN autotuning are not timed. `wall_s` is everything for one run: building the
+Trainer (data onto the device, model, optimizer) plus fit() with all evals. `process_s` is the whole bench process
+from its first line, imports included. GPU timings are taken after torch.cuda.synchronize().
+"""
+import time
+
+PROCESS_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+import cifar  # noqa: E402
+from accel_trainer import Trainer, parse_args  # noqa: E402
+from accel_trainer.recipe import load_recipe  # noqa: E402
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_memory_mb():
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB; the process's peak RSS
+
+
+def one_run(recipe, recipe_argv, seed, target, out_root):
+    targs, rargs = parse_args(recipe.Args, recipe_argv + ["--seed", str(seed), "--output_dir",
+                                                          os.path.join(out_root, f"seed{seed}"),
+                                                          "--overwrite_output_dir", "--disable_tqdm"],
+                              defaults=recipe.defaults)
+    recipe.configure(rargs, targs)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t_wall = time.perf_counter()
+    trainer = Trainer(recipe, targs, rargs, quiet=True)
+
+    # Time the per-epoch evals so they can be taken out of the training time, and record the accuracy curve.
+    curve, eval_time = [], [0.0]
+    plain_evaluate = trainer.evaluate
+    fit_start = [None]
+
+    def timed_evaluate(final=False):
+        sync()
+        t = time.perf_counter()
+        results = plain_evaluate(final=final)
+        sync()
+        if not final:  # training time so far = time since fit() began minus the earlier evals
+            curve.append((t - fit_start[0] - eval_time[0], trainer.epoch, results.get("eval_accuracy")))
+            eval_time[0] += time.perf_counter() - t
+        return results
+
+    trainer.evaluate = timed_evaluate
+    sync()
+    fit_start[0] = time.perf_counter()
+    final = trainer.fit()
+    sync()
+    end = time.perf_counter()
+    train_s = end - fit_start[0] - eval_time[0]
+    acc, tta = final.get("eval_accuracy"), final.get("eval_tta_accuracy")
+    best = tta if tta is not None else acc
+    curve.append((train_s, trainer.epoch, best))
+    reached = next((t for t, _, a in curve if a is not None and a >= target), None)
+    # Images trained on: epochs done x split size (the last batch of an epoch may be short).
+    n_images = trainer.total_steps / trainer.updates_per_epoch * len(trainer.train_loader.labels)
+    return {"seed": seed, "accuracy": acc, "tta_accuracy": tta, "train_s": train_s,
+            "time_to_target_s": reached, "images_per_s": n_images / train_s,
+            "wall_s": end - t_wall, "peak_memory_mb": peak_memory_mb(),
+            "curve": [(round(t, 2), e, a) for t, e, a in curve], "is_main": trainer.accelerator.is_main_process}
+
+
+def summary(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.4g}"
+    return f"{statistics.mean(values):.4g} +- {statistics.stdev(values):.2g} (min {min(values):.4g}, max {max(values):.4g})"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=5, help="runs, with seeds 0..N-1")
+    p.add_argument("--first_seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=None,
+                   help="accuracy for time-to-target (default: 0.94, or 0.87 for --preset small)")
+    p.add_argument("--warmup", action="store_true", help="a short untimed run first (torch.compile, autotuning)")
+    p.add_argument("--out", default="runs/bench_cifar", help="output folders of the runs; a JSON summary too")
+    own, recipe_argv = p.parse_known_args()
+    target = own.target or (0.87 if "small" in recipe_argv else 0.94)
+    recipe = load_recipe(cifar)
+
+    if own.warmup:
+        one_run(recipe, recipe_argv + ["--max_steps", "3"], 12345, 2.0, own.out)
+    runs = []
+    for seed in range(own.first_seed, own.first_seed + own.seeds):
+        r = one_run(recipe, recipe_argv, seed, target, own.out)
+        runs.append(r)
+        if r["is_main"]:
+            tta = f"{r['tta_accuracy']:.4f}" if r["tta_accuracy"] is not None else "n/a"
+            print(f"seed {seed}: acc {r['accuracy']:.4f}  tta {tta}  train {r['train_s']:.2f}s  "
+                  f"to {target:.2%}: {'not reached' if r['time_to_target_s'] is None else f'{r[\'time_to_target_s\']:.2f}s'}  "
+                  f"{r['images_per_s']:.0f} img/s  wall {r['wall_s']:.1f}s  peak {r['peak_memory_mb']:.0f} MB", flush=True)
+            print("  curve (train_s, epoch, accuracy): " + ", ".join(f"({t}, {e}, {a:.4f})" for t, e, a in r["curve"]
+                                                                      if a is not None), flush=True)
+    if not runs or not runs[0]["is_main"]:
+        return
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{torch.get_num_threads()} threads"
+    print(f"\n{len(runs)} run(s) on {device}, recipe flags: {' '.join(recipe_argv)}")
+    print(f"  accuracy        {summary([r['accuracy'] for r in runs])}")
+    print(f"  tta accuracy    {summary([r['tta_accuracy'] for r in runs])}")
+    print(f"  train_s         {summary([r['train_s'] for r in runs])}")
+    reached = [r["time_to_target_s"] for r in runs]
+    print(f"  time to {target:.2%}  {summary(reached)}  ({sum(t is not None for t in reached)}/{len(runs)} reached)")
+    print(f"  images/s        {summary([r['images_per_s'] for r in runs])}")
+    print(f"  wall_s per run  {summary([r['wall_s'] for r in runs])}")
+    print(f"  peak memory MB  {max(r['peak_memory_mb'] for r in runs):.0f}")
+    print(f"  process_s       {time.perf_counter() - PROCESS_START:.1f}")
+    os.makedirs(own.out, exist_ok=True)
+    with open(os.path.join(own.out, "summary.json"), "w") as f:
+        json.dump({"device": device, "argv": recipe_argv, "target": target, "runs": runs,
+                   "process_s": time.perf_counter() - PROCESS_START}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
