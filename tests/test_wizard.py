@@ -1,0 +1,150 @@
+"""`accel-trainer config`: non-interactively for each shipped topology (it reproduces the shipped file), refusals,
+interactively through a pseudo-terminal, and the SLURM script run against stand-in srun/scontrol/accelerate."""
+
+import os
+import subprocess
+import sys
+
+import pexpect
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from helpers import ROOT, env
+from accel_trainer import wizard
+
+SKIP = ["--skip-device-check"]  # GPU topologies are written here for other machines
+SHIPPED_FLAGS = {
+    "cpu_1proc": ["--machines", "1", "--processes-per-machine", "1", "--cpu"],
+    "cpu_2proc": ["--machines", "1", "--processes-per-machine", "2", "--cpu"],
+    "gpu_1": ["--machines", "1", "--gpus-per-machine", "1", "--mixed-precision", "no"] + SKIP,
+    "gpu_1x8_bf16": ["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16"] + SKIP,
+    "gpu_2x8_bf16_static": ["--machines", "2", "--gpus-per-machine", "8", "--mixed-precision", "bf16",
+                            "--main-ip", "machine0.invalid", "--rdzv", "static"] + SKIP,
+    "gpu_2x8_bf16_c10d": ["--machines", "2", "--gpus-per-machine", "8", "--mixed-precision", "bf16",
+                          "--main-ip", "machine0.invalid", "--rdzv", "c10d", "--max-restarts", "3", "--slurm"] + SKIP,
+    "gpu_1x8_fsdp_bf16": ["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16", "--fsdp"] + SKIP,
+}
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_FLAGS))
+def test_wizard_reproduces_each_shipped_config(name, tmp_path, capsys):
+    assert wizard.main(["--dir", str(tmp_path), "--name", name, "--no-interactive", *SHIPPED_FLAGS[name]]) == 0
+    out = capsys.readouterr().out
+    written = tmp_path / f"{name}.yaml"
+    assert read(written) == read(os.path.join(ROOT, "accelerate_configs", f"{name}.yaml"))
+    config = load_config_from_file(str(written))  # accelerate's loader
+    # One launch line per machine, differing only by --machine_rank, with the rendezvous bounded.
+    for r in range(config.num_machines):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(f"machine {r}:"))
+        assert f"--config_file {written}" in line
+        if config.num_machines > 1:
+            assert f"--machine_rank {r}" in line
+            assert f"--rdzv_backend {config.rdzv_backend}" in line and "timeout=" in line
+    if "--slurm" in SHIPPED_FLAGS[name]:
+        assert (tmp_path / f"{name}.slurm.sh").exists()
+
+
+def fake_hw(gpus, bf16=True):
+    return lambda: {"gpus": gpus, "gpu_name": "Fake GPU" if gpus else None, "bf16": bf16 and gpus > 0, "cpus": 2}
+
+
+@pytest.mark.parametrize("flags, gpus, reason", [
+    (["--machines", "1", "--gpus-per-machine", "1"], 0, "no GPU is visible here"),
+    (["--machines", "1", "--gpus-per-machine", "8"], 2, "8 processes per machine but only 2 GPUs"),
+    (["--machines", "2", "--gpus-per-machine", "1", "--cpu", "--main-ip", "10.0.0.1", "--main-port", "70000"], 0,
+     "main_process_port=70000 is out of range"),
+    (["--machines", "1", "--processes-per-machine", "2", "--cpu", "--fsdp"], 0, "FSDP on CPU is not supported"),
+    (["--machines", "2", "--gpus-per-machine", "8"], 8, "--main-ip is required"),
+    (["--machines", "1", "--processes-per-machine", "2", "--cpu", "--mixed-precision", "fp16"], 0,
+     "fp16 mixed precision needs a GPU"),
+    (["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16"], 8, "bf16 is not supported"),
+    (["--machines", "2", "--gpus-per-machine", "1", "--cpu", "--main-ip", "h", "--max-restarts", "2"], 0,
+     "--max-restarts needs --rdzv c10d"),
+])
+def test_bad_combinations_are_refused(flags, gpus, reason, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(wizard, "detect", fake_hw(gpus, bf16="bf16 is not" not in reason))
+    assert wizard.main(["--dir", str(tmp_path), "--name", "x", "--no-interactive", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "refusing" in err and reason in err, err
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_existing_file_needs_force(tmp_path, capsys):
+    flags = ["--dir", str(tmp_path), "--name", "x", "--no-interactive", "--machines", "1", "--cpu"]
+    assert wizard.main(flags) == 0
+    assert wizard.main(flags) == 2 and "--force" in capsys.readouterr().err
+    assert wizard.main(flags + ["--force"]) == 0
+
+
+def test_interactive_through_a_pseudo_terminal(tmp_path):
+    child = pexpect.spawn(sys.executable, ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)], cwd=ROOT,
+                          env={**env(), "CUDA_VISIBLE_DEVICES": ""}, encoding="utf-8", timeout=60)
+    answers = [
+        ("How many machines", "zero"),  # not a number: asked again
+        ("not valid", None),
+        ("How many machines", "2"),
+        ("Use GPUs", ""),  # default: no (no GPU detected)
+        ("How many CPU processes per machine", "1"),
+        ("Address of machine 0", "127.0.0.1"),
+        ("Port on machine 0", "29555"),
+        ("Rendezvous", "c10d"),
+        ("Seconds to wait", "45"),
+        ("Restarts allowed", "1"),
+        ("Mixed precision", ""),
+        ("torch.compile", "no"),
+        ("Config name", "pty"),
+        ("SLURM", "yes"),
+    ]
+    for prompt, answer in answers:
+        child.expect(prompt)
+        if answer is not None:
+            child.sendline(answer)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    out = child.before
+    config = load_config_from_file(str(tmp_path / "pty.yaml"))
+    assert (config.num_machines, config.num_processes, config.use_cpu) == (2, 2, True)
+    assert (config.main_process_ip, config.main_process_port, config.rdzv_backend) == ("127.0.0.1", 29555, "c10d")
+    assert str(config.distributed_type.value) == "MULTI_GPU"  # several CPU processes: torchrun, never MULTI_CPU
+    assert "--rdzv_conf join_timeout=45 --max_restarts 1" in out
+    assert (tmp_path / "pty.slurm.sh").exists()
+
+
+FAKE_SRUN = """#!/bin/bash
+# Stand-in srun: run the command once per node, as SLURM does, each with its own SLURM_NODEID.
+while [[ "$1" == --* ]]; do shift; done
+for node in 0 1; do SLURM_NODEID=$node "$@" || exit $?; done
+"""
+FAKE_SCONTROL = "#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n"
+FAKE_ACCELERATE = "#!/bin/bash\necho \"LAUNCH $*\"\n"
+
+
+def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
+    assert wizard.main(["--dir", str(tmp_path), "--name", "s", "--no-interactive", "--machines", "2",
+                        "--processes-per-machine", "1", "--cpu", "--main-ip", "unused", "--rdzv", "c10d",
+                        "--max-restarts", "1", "--slurm", "--script", "recipes/regression.py"]) == 0
+    script = tmp_path / "s.slurm.sh"
+    text = read(script)
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accelerate", FAKE_ACCELERATE)):
+        (fake / name).write_text(body)
+        (fake / name).chmod(0o755)
+    e = {**env(), "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]"}
+    proc = subprocess.run(["bash", str(script), "--output_dir", "runs/x y"], capture_output=True, text=True,
+                          timeout=30, env=e)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LAUNCH")]
+    assert len(lines) == 2
+    for rank, line in enumerate(lines):
+        assert f"--machine_rank {rank} " in line  # not every node rank 0
+        assert "--main_process_ip node-a --main_process_port 29500" in line  # first node hosts the rendezvous
+        assert "--rdzv_backend c10d --rdzv_conf join_timeout=120 --max_restarts 1" in line
+        assert line.endswith("recipes/regression.py --output_dir runs/x y")
