@@ -140,6 +140,13 @@ def load_text_dataset(
         )
     try:
         return datasets.load_dataset(os.path.expanduser(dataset_name), dataset_config_name, **kwargs)
+    except ValueError as err:
+        if "BuilderConfig" not in str(err):
+            raise
+        raise MissingInputError(
+            f"dataset {dataset_name!r} has no config {dataset_config_name!r}: {err}\n"
+            f"Fix: pass a config name that exists in it (--task_name for GLUE, --dataset_config_name otherwise)."
+        ) from err
     except (FileNotFoundError, ConnectionError, OSError) as err:
         # DatasetNotFoundError subclasses FileNotFoundError; no network shows up as ConnectionError/OSError.
         raise MissingInputError(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from accel_trainer.text import (MissingInputError, length_grouped_train, load_config, load_pretrained,
                                 load_text_dataset, load_tokenizer)
@@ -150,12 +151,18 @@ def loss(model, batch):
 
 def eval_step(model, batch):
     with torch.no_grad():
-        out = model(**batch)
-    logits = out.logits
-    # one output column = regression (STS-B): the score itself; else the predicted class
-    predictions = logits.squeeze(-1) if logits.shape[-1] == 1 else logits.argmax(-1)
-    return {"loss": out.loss, "n_items": batch["labels"].shape[0], "predictions": predictions,
-            "references": batch["labels"]}
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    labels = batch["labels"]
+    if logits.shape[-1] == 1:  # one output column = regression (STS-B): the score itself, squared error
+        predictions = logits.squeeze(-1)
+        per_example = (predictions.float() - labels.float()) ** 2
+    else:
+        predictions = logits.argmax(-1)
+        per_example = F.cross_entropy(logits.float(), labels, reduction="none")
+    # Per-example losses, not the batch mean: when the world size doesn't divide the split, Accelerate pads
+    # the last batches with repeated examples and gather_for_metrics drops them -- exact only per example.
+    return {"loss": per_example, "n_items": torch.ones_like(per_example), "predictions": predictions,
+            "references": labels}
 
 
 def build_metrics(args):
