@@ -253,12 +253,17 @@ def worker(timeout_s: int) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:  # how run_collective launches this module
         wp = argparse.ArgumentParser()
         wp.add_argument("--worker", action="store_true")
         wp.add_argument("--timeout", type=int, default=60)
-        sys.exit(worker(wp.parse_args().timeout))
+        return worker(wp.parse_args(argv).timeout)
     ap = argparse.ArgumentParser(prog="accel-trainer check", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
-    sys.exit(run(ap.parse_args()))
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
