@@ -356,10 +356,13 @@ def rdzv_conf(backend: str, timeout_s: int) -> str:
 
     static: machine 0 hosts a TCPStore that waits `timeout` seconds for the others (torchrun passes 900 s),
     then fails with "Timed out after N seconds waiting for clients. k/n clients joined.".
-    c10d: `join_timeout` bounds the rendezvous (default 600 s), then RendezvousTimeoutError.
+    c10d: `join_timeout` bounds the rendezvous (default 600 s), then RendezvousTimeoutError; `read_timeout`
+    (default 60 s) bounds each store operation, including a machine's first connection to machine 0's store,
+    so we raise it to the same value: a machine started early then waits as long as the rendezvous does.
     An accelerate config file cannot hold this (ClusterConfig has no field), so it goes on the command line.
     """
-    return f"timeout={int(timeout_s)}" if backend == "static" else f"join_timeout={int(timeout_s)}"
+    t = int(timeout_s)
+    return f"timeout={t}" if backend == "static" else f"join_timeout={t},read_timeout={t}"
 
 
 def rdzv_flags(backend: str, timeout_s: int) -> list[str]:

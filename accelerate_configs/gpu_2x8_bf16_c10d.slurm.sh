@@ -11,5 +11,5 @@ export MAIN_PORT=29500
 srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --config_file accelerate_configs/gpu_2x8_bf16_c10d.yaml \
     --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \
-    --rdzv_backend c10d --rdzv_conf join_timeout=120 --max_restarts 3 \
+    --rdzv_backend c10d --rdzv_conf join_timeout=120,read_timeout=120 --max_restarts 3 \
     recipes/<recipe>.py "$@"' _ "$@"

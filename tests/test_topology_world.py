@@ -154,7 +154,8 @@ def test_port_checks_are_bounded_and_say_why():
 
 def test_rendezvous_flags():
     assert topology.rdzv_flags("static", 30) == ["--rdzv_backend", "static", "--rdzv_conf", "timeout=30"]
-    assert topology.rdzv_flags("c10d", 30) == ["--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=30"]
+    assert topology.rdzv_flags("c10d", 30) == ["--rdzv_backend", "c10d", "--rdzv_conf",
+                                               "join_timeout=30,read_timeout=30"]
 
 
 def test_process_group_timeout_is_bounded_and_validated():

@@ -112,7 +112,7 @@ def test_interactive_through_a_pseudo_terminal(tmp_path):
     assert (config.num_machines, config.num_processes, config.use_cpu) == (2, 2, True)
     assert (config.main_process_ip, config.main_process_port, config.rdzv_backend) == ("127.0.0.1", 29555, "c10d")
     assert str(config.distributed_type.value) == "MULTI_GPU"  # several CPU processes: torchrun, never MULTI_CPU
-    assert "--rdzv_conf join_timeout=45 --max_restarts 1" in out
+    assert "--rdzv_conf join_timeout=45,read_timeout=45 --max_restarts 1" in out
     assert (tmp_path / "pty.slurm.sh").exists()
 
 
@@ -146,5 +146,5 @@ def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
     for rank, line in enumerate(lines):
         assert f"--machine_rank {rank} " in line  # not every node rank 0
         assert "--main_process_ip node-a --main_process_port 29500" in line  # first node hosts the rendezvous
-        assert "--rdzv_backend c10d --rdzv_conf join_timeout=120 --max_restarts 1" in line
+        assert "--rdzv_backend c10d --rdzv_conf join_timeout=120,read_timeout=120 --max_restarts 1" in line
         assert line.endswith("recipes/regression.py --output_dir runs/x y")
