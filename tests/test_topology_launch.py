@@ -135,29 +135,40 @@ def test_c10d_with_max_restarts_survives_one_worker_failure(tmp_path):
     assert "restarts_used_here=1" in both, both[-3000:]
 
 
-def test_missing_peer_static_fails_within_bound(tmp_path):
-    cfg = two_machine_config(tmp_path, "static", free_port())
+WRAPPER = [sys.executable, "-m", "accel_trainer.cli", "launch"]
+
+
+def test_missing_peer_static_fails_within_bound_and_says_who(tmp_path):
+    port = free_port()
+    cfg = two_machine_config(tmp_path, "static", port)
     t0 = time.monotonic()
-    proc = subprocess.run(LAUNCH + ["--config_file", cfg, "--machine_rank", "0", *rdzv_flags("static", 8),
-                                    "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
+    proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=8",
+                                     "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
     took = time.monotonic() - t0
     assert proc.returncode != 0
     assert took < BOUND, took
-    # torch's own words: how many machines joined out of how many.
-    assert "waiting for clients. 1/2 clients joined" in proc.stderr, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "waiting for clients. 1/2 clients joined" in out, out[-2000:]  # torch's words
+    assert "only 1 of 2 machines joined (1 missing: those with --machine_rank 1..1" in proc.stderr
+    assert f"reaches 127.0.0.1:{port}" in proc.stderr and "firewall" in proc.stderr
+    assert "NCCL_SOCKET_IFNAME" in proc.stderr
 
 
-def test_missing_peer_c10d_fails_within_bound(tmp_path):
+def test_missing_peer_c10d_fails_within_bound_and_says_what_to_check(tmp_path):
     cfg = two_machine_config(tmp_path, "c10d", free_port())
     t0 = time.monotonic()
-    proc = subprocess.run(LAUNCH + ["--config_file", cfg, "--machine_rank", "0", *rdzv_flags("c10d", 8),
-                                    "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
+    # No --rdzv_backend: `accel-trainer launch` takes c10d from the config (accelerate alone would run static).
+    proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf",
+                                     "join_timeout=8,read_timeout=8", "recipes/regression.py", "--output_dir",
+                                     str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
     took = time.monotonic() - t0
     assert proc.returncode != 0
     assert took < BOUND, took
-    assert "RendezvousTimeoutError" in proc.stderr, proc.stderr[-2000:]
+    assert "--rdzv_backend c10d" in proc.stdout.splitlines()[0]
+    assert "RendezvousTimeoutError" in proc.stdout, proc.stdout[-2000:]
+    assert "not all 2 machines joined the c10d rendezvous" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
@@ -166,12 +177,22 @@ def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
         busy.listen()
         cfg = two_machine_config(tmp_path, "static", busy.getsockname()[1])
         t0 = time.monotonic()
-        proc = subprocess.run(LAUNCH + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=8",
-                                        "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
+        proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=8",
+                                         "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
                               capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < BOUND
-    assert "another process is utilizing it" in proc.stderr, proc.stderr[-2000:]
+    assert "another process is utilizing it" in proc.stdout, proc.stdout[-2000:]  # accelerate's words
+    assert "the rendezvous port is busy on machine 0" in proc.stderr
+
+
+def test_wrapper_refuses_a_config_that_would_run_the_wrong_world(tmp_path, capsys):
+    from accel_trainer import preflight
+
+    cfg = tmp_path / "multi_cpu.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: 'no'\nuse_cpu: true\n")
+    assert preflight.launch(["--config_file", str(cfg), "recipes/regression.py"]) == 2
+    assert "launched by accelerate as ONE process" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("how", ["cpu_flag", "multi_cpu_config"])
