@@ -145,8 +145,9 @@ _FIX_ONE_WORLD = (
 
 
 def _fix_for(expected: World, actual_total: int) -> str:
-    if expected.distributed_type == "MULTI_CPU" and actual_total == 1:
-        how = "`--cpu`" if expected.launcher_flags == "--cpu" else "a `distributed_type: MULTI_CPU` config"
+    if actual_total == 1 and "WORLD_SIZE" not in os.environ:  # accelerate's simple launcher ran it: one process
+        how = {"--cpu": "`--cpu`", None: f"a `distributed_type: {expected.distributed_type}` launch"}.get(
+            expected.launcher_flags, expected.launcher_flags)
         return (
             f"Cause: accelerate launches {how} with its simple launcher, which starts ONE process whatever "
             "num_processes says. Fix: launch with `--multi_gpu --num_processes N` (torchrun; the Trainer uses "
