@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from accel_trainer.errors import UserError
 from accel_trainer.text import (MissingInputError, length_grouped_train, load_config, load_pretrained,
                                 load_text_dataset, load_tokenizer)
 
@@ -101,7 +102,8 @@ def build_model(args, targs):
         model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, cache_dir=args.cache_dir)
     max_pos = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if max_pos is not None and args.block_size > max_pos:
-        raise ValueError(f"--block_size {args.block_size} is longer than the model's {max_pos} positions.")
+        raise UserError(f"--block_size {args.block_size} is longer than the model's {max_pos} positions: pass "
+                        f"--block_size {max_pos} or less.")
     return model  # --gradient_checkpointing and --mixed_precision are applied by the Trainer
 
 

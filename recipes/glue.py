@@ -95,7 +95,7 @@ def build_model(args, targs):
     else:
         # A base checkpoint (e.g. bert-base-cased) gets a freshly initialised classifier head of num_labels.
         model = load_pretrained(AutoModelForSequenceClassification, args.model_name_or_path,
-                                num_labels=num_labels)
+                                num_labels=num_labels, cache_dir=args.cache_dir)
     if model.config.pad_token_id is None:
         # Models like GPT-2 find the last real token of each row by looking for the pad id.
         model.config.pad_token_id = tokenizer_for(args).pad_token_id

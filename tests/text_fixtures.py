@@ -68,6 +68,7 @@ def _train_tokenizer(texts, kind: str):
 
 def make_tiny_bert(folder: str, texts=None, num_labels: int = 2) -> str:
     """A 2-layer, 32-wide BERT for sequence classification + WordPiece tokenizer, saved in `folder`."""
+    import torch
     from transformers import BertConfig, BertForSequenceClassification
 
     tokenizer = _train_tokenizer(texts or sentences(300), "bert")
@@ -77,7 +78,9 @@ def make_tiny_bert(folder: str, texts=None, num_labels: int = 2) -> str:
         attention_probs_dropout_prob=0.0, classifier_dropout=0.0, pad_token_id=tokenizer.pad_token_id,
         num_labels=num_labels,
     )
-    model = BertForSequenceClassification(config)
+    with torch.random.fork_rng():  # the same tiny model every run (reproducible tests), global RNG untouched
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(config)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -85,6 +88,7 @@ def make_tiny_bert(folder: str, texts=None, num_labels: int = 2) -> str:
 
 def make_tiny_gpt2(folder: str, texts=None, weights: bool = True) -> str:
     """A 2-layer, 32-wide GPT-2 + byte-level BPE tokenizer saved in `folder` (config only if not `weights`)."""
+    import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tokenizer = _train_tokenizer(texts or sentences(300), "gpt2")
@@ -94,7 +98,10 @@ def make_tiny_gpt2(folder: str, texts=None, weights: bool = True) -> str:
         eos_token_id=tokenizer.eos_token_id,
     )
     if weights:
-        GPT2LMHeadModel(config).save_pretrained(folder)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = GPT2LMHeadModel(config)
+        model.save_pretrained(folder)
     else:
         config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
