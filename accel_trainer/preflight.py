@@ -288,9 +288,13 @@ def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_
             extra += ["--rdzv_backend", backend]
         if "--rdzv_conf" not in given:
             extra += ["--rdzv_conf", topology.rdzv_conf(backend, rdzv_timeout_s)]
+    env = dict(os.environ)
+    backend = dict(zip(extra[::2], extra[1::2])).get("--rdzv_backend", args.rdzv_backend)
+    if args.max_restarts and backend == "c10d":
+        env.setdefault(topology.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see topology.py)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *argv[:at], *extra, *argv[at:]]
     print("accel-trainer launch: accelerate launch " + shlex.join(cmd[3:]), flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     tail = b""
     try:
         while chunk := os.read(proc.stdout.fileno(), 65536):

@@ -366,6 +366,13 @@ def rdzv_conf(backend: str, timeout_s: int) -> str:
     return f"timeout={t}" if backend == "static" else f"join_timeout={t},read_timeout={t}"
 
 
+# With c10d, torchrun's agents share one TCPStore with the workers across restarts (torch >= 2.5), and each
+# machine counts restarts on its own, so after one machine restarts, workers can read the previous round's
+# addresses and fail to connect (pytorch/pytorch#135712; measured here with gloo). This opt-out gives each
+# round a fresh store. Needed only with --max_restarts.
+RESTART_SAFE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
 def rdzv_flags(backend: str, timeout_s: int) -> list[str]:
     """`--rdzv_backend` and `--rdzv_conf` for a multi-machine launch.
 
@@ -386,6 +393,8 @@ def launch_command(
 ) -> str:
     """The `accelerate launch` line to run on machine `machine_rank` (one config file for all machines)."""
     cmd = ["accelerate", "launch", "--config_file", config_path]
+    if max_restarts and config.rdzv_backend == "c10d":
+        cmd = [f"{RESTART_SAFE_ENV}=1"] + cmd
     if int(config.num_machines or 1) > 1:
         cmd += ["--machine_rank", str(machine_rank)] + rdzv_flags(config.rdzv_backend, rdzv_timeout_s)
     if max_restarts:

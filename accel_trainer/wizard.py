@@ -93,6 +93,8 @@ def slurm_script(config_path, config, script, rdzv_timeout_s, max_restarts=0, jo
     per = config.num_processes // config.num_machines
     gres = "" if config.use_cpu else f"#SBATCH --gpus-per-node={per}\n"
     restarts = f" --max_restarts {max_restarts}" if max_restarts else ""
+    # A fresh rendezvous store per restart round (see topology.RESTART_SAFE_ENV).
+    restart_env = f"export {topology.RESTART_SAFE_ENV}=1\n" if max_restarts and config.rdzv_backend == "c10d" else ""
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={config.num_machines}
@@ -102,7 +104,7 @@ def slurm_script(config_path, config, script, rdzv_timeout_s, max_restarts=0, jo
 set -euo pipefail
 export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MAIN_PORT={config.main_process_port or topology.DEFAULT_PORT}
-srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --config_file {config_path} \\
+{restart_env}srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --config_file {config_path} \\
     --machine_rank "$SLURM_NODEID" \\
     --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \\
     --rdzv_backend {config.rdzv_backend} --rdzv_conf {topology.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}{restarts} \\

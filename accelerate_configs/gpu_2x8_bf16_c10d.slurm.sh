@@ -8,6 +8,7 @@
 set -euo pipefail
 export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MAIN_PORT=29500
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --config_file accelerate_configs/gpu_2x8_bf16_c10d.yaml \
     --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import ROOT, assert_same_weights, env, free_port, weights
 from accel_trainer import wizard
-from accel_trainer.topology import rdzv_flags
+from accel_trainer.topology import RESTART_SAFE_ENV, rdzv_flags
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 STEPS, PER_DEVICE = 4, 8  # global batch 16: 2 machines x 1 process x 8, or 1 process x 16
@@ -29,9 +29,9 @@ def two_machine_config(tmp_path, rdzv, port):
     return str(tmp_path / f"loop_{rdzv}.yaml")
 
 
-def start(cmd, log):
+def start(cmd, log, **extra_env):
     f = open(log, "w")
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT,
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env(**extra_env), cwd=ROOT,
                             start_new_session=True), f
 
 
@@ -61,12 +61,13 @@ def wait_listening(port, proc, timeout=60):
         time.sleep(0.2)
 
 
-def two_launches(cfg, port, tmp_path, script_and_args, rdzv, extra=(), timeout=120):
+def two_launches(cfg, port, tmp_path, script_and_args, rdzv, extra=(), timeout=120, **extra_env):
     """Machine 0 and machine 1, as `accel-trainer config` prints them (rendezvous flags included)."""
     procs = []
     for rank in (0, 1):
         cmd = LAUNCH + ["--config_file", cfg, "--machine_rank", str(rank), *rdzv_flags(rdzv, 60), *extra]
-        procs.append(start(cmd + [a.format(rank=rank) for a in script_and_args], tmp_path / f"machine{rank}.log"))
+        procs.append(start(cmd + [a.format(rank=rank) for a in script_and_args], tmp_path / f"machine{rank}.log",
+                           **extra_env))
         if rank == 0:
             wait_listening(port, procs[0][0])
     codes = finish(procs, timeout)
@@ -127,7 +128,7 @@ def test_c10d_with_max_restarts_survives_one_worker_failure(tmp_path):
     port = free_port()
     cfg = two_machine_config(tmp_path, "c10d", port)
     codes, logs = two_launches(cfg, port, tmp_path, [str(script), str(tmp_path / "failed_once")], "c10d",
-                               extra=["--max_restarts", "1"])
+                               extra=["--max_restarts", "1"], **{RESTART_SAFE_ENV: "1"})  # as printed
     assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
     both = "".join(logs)
     assert (tmp_path / "failed_once").exists()  # a worker did fail

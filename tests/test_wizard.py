@@ -113,6 +113,7 @@ def test_interactive_through_a_pseudo_terminal(tmp_path):
     assert (config.main_process_ip, config.main_process_port, config.rdzv_backend) == ("127.0.0.1", 29555, "c10d")
     assert str(config.distributed_type.value) == "MULTI_GPU"  # several CPU processes: torchrun, never MULTI_CPU
     assert "--rdzv_conf join_timeout=45,read_timeout=45 --max_restarts 1" in out
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 accelerate launch" in out  # restarts need a fresh store per round
     assert (tmp_path / "pty.slurm.sh").exists()
 
 
@@ -132,6 +133,7 @@ def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
     script = tmp_path / "s.slurm.sh"
     text = read(script)
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
     fake = tmp_path / "bin"
     fake.mkdir()
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accelerate", FAKE_ACCELERATE)):
