@@ -1,24 +1,39 @@
-"""Checkpoint folders: `output_dir/checkpoints/step_<N>/`, written by `accelerator.save_state` plus our own
-`trainer_state.json` (position in the run) and, with EMA on, `ema.safetensors`.
+"""Checkpoint folders: `output_dir/checkpoints/step_<N>/`, written by `accelerate.save_state` plus our own
+`trainer_state.json` (position in the run), `ema.safetensors` (with EMA on) and, last, `manifest.json`.
 
-A checkpoint is written under a temporary name and renamed into place when every process has finished, so a
-kill during a save never leaves a `step_<N>` folder that `latest` would pick up half-written.
+Atomicity: a checkpoint is written into `.tmp_step_<N>/`; when every process has written its part, the main
+process hashes every file (sha256, size; this also fsyncs them), writes `manifest.json` and renames the folder
+to `step_<N>`. A kill at any moment leaves either the complete folder or a `.tmp_step_<N>` that is never used.
+
+Verification on resume: the manifest's sizes and hashes are checked (truncated/corrupt file -> an error naming
+it), every pickled file is test-loaded with `weights_only=True` (code in a pickle is refused, never run), and the
+model's tensor names and shapes are compared with the model being trained. `latest`/`auto` skip a bad newest
+checkpoint, say why, and use the previous good one. See docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
+import time
 
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 from .errors import UserError
 
 STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = 1
+MODEL_FILE = "model.safetensors"  # accelerate's SAFE_MODEL_NAME + ".safetensors"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$")
+_PICKLED = (".bin", ".pkl", ".pt", ".pth")  # what accelerate.load_state reads with torch.load
 
 
 class CheckpointError(UserError):
@@ -30,32 +45,61 @@ def checkpoints_root(output_dir: str) -> str:
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
-    """Complete checkpoint folders, oldest first."""
+    """Checkpoint folders (renamed into place, so complete unless damaged afterwards), oldest first."""
     root = checkpoints_root(output_dir)
     if not os.path.isdir(root):
         return []
     found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))]
-    return [path for _, path in sorted(found) if os.path.isfile(os.path.join(path, STATE_FILE))]
+    return [path for _, path in sorted(found)]
 
 
-def resolve_resume_path(spec: str, output_dir: str) -> str:
-    """The folder `--resume_from_checkpoint` names: a path, or 'latest' in output_dir."""
-    if spec == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise CheckpointError(f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_root(output_dir)}. "
-                                  "Drop the flag to start a new run, or pass the folder of a checkpoint.")
-        return found[-1]
-    if not os.path.isdir(spec):
-        raise CheckpointError(f"--resume_from_checkpoint {spec}: no such folder. Pass a checkpoint folder "
-                              f"(output_dir/checkpoints/step_<N>) or 'latest'.")
-    if not os.path.isfile(os.path.join(spec, STATE_FILE)):
-        raise CheckpointError(f"--resume_from_checkpoint {spec}: not a checkpoint of ours ({STATE_FILE} missing).")
-    return spec
+# ------------------------------------------------------------------------------------------------------- writing
+def _hash_file(path: str) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+        os.fsync(f.fileno())  # on disk before the rename makes the folder visible (power loss, not only kills)
+    return size, h.hexdigest()
+
+
+def _fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(dirpath, n), folder) for n in names]
+    return sorted(p for p in out if p != MANIFEST_FILE)
+
+
+def write_manifest(folder: str, state: dict) -> dict:
+    """Hash every file of a finished checkpoint folder and write manifest.json (the last file written)."""
+    manifest = {"format": MANIFEST_FORMAT, "step": state["global_step"], "epoch": state["epoch"],
+                "batch_in_epoch": state["batch_in_epoch"], "num_processes": state["num_processes"],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": {}}
+    for rel in _files(folder):
+        size, digest = _hash_file(os.path.join(folder, rel))
+        manifest["files"][rel] = {"size": size, "sha256": digest}
+    tmp = os.path.join(folder, MANIFEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, MANIFEST_FILE))
+    _fsync_dir(folder)
+    return manifest
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, ema=None,
-                    save_total_limit: int | None = None) -> str:
+                    save_total_limit: int | None = None, hooks=None) -> str:
     """Every process calls this (each saves its own RNG state). Returns the final folder."""
     root = checkpoints_root(output_dir)
     final = os.path.join(root, f"step_{step}")
@@ -70,11 +114,15 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, ema=No
             save_model(ema.module, os.path.join(tmp, EMA_FILE))
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=2)
-    accelerator.wait_for_everyone()
+    if hooks is not None:
+        hooks.during_save(tmp)  # test-only (ACCEL_TRAINER_TEST_FAULTS=save_delay=...): a kill lands here
+    accelerator.wait_for_everyone()  # every rank's files are in tmp
     if accelerator.is_main_process:
+        write_manifest(tmp, state)
         if os.path.isdir(final):  # a checkpoint of the same step from an earlier attempt: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(root)
         if save_total_limit:
             for old in list_checkpoints(output_dir)[:-save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -82,13 +130,168 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, ema=No
     return final
 
 
+# ------------------------------------------------------------------------------------------------------- checking
 def read_state(path: str) -> dict:
     with open(os.path.join(path, STATE_FILE)) as f:
         return json.load(f)
 
 
-def load_checkpoint(accelerator, path: str, ema=None) -> dict:
-    """Restore everything save_checkpoint wrote; returns the trainer state."""
+def read_manifest(path: str) -> dict:
+    file = os.path.join(path, MANIFEST_FILE)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"Checkpoint {path}: no {MANIFEST_FILE}, so it is not a complete checkpoint written "
+                              "by accel-trainer (or was written by an older version); it cannot be verified.")
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest.get("files"), dict):
+            raise ValueError("no 'files' entry")
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"Checkpoint {path}: {file} is unreadable ({e}).") from None
+    return manifest
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Sizes and sha256 of every file in the manifest, then a safe test-load of every pickled file.
+    Returns the manifest; raises CheckpointError naming the first bad file."""
+    manifest = read_manifest(path)
+    for rel, meta in manifest["files"].items():
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"Checkpoint {path}: {file} is missing (listed in {MANIFEST_FILE}).")
+        size = os.path.getsize(file)
+        if size != meta["size"]:
+            raise CheckpointError(f"Checkpoint {path}: {file} is truncated or altered: {size} bytes, "
+                                  f"{meta['size']} expected.")
+        h = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        if h.hexdigest() != meta["sha256"]:
+            raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
+    check_safe_to_load(path, manifest)
+    return manifest
+
+
+def check_safe_to_load(path: str, manifest: dict):
+    """Unpickle every pickled file the way accelerate's load_state will, with `weights_only=True` (no code runs;
+    mmap: tensor data is not read). This also turns accelerate's silent "Could not load random states" into an
+    error: a resumed run with other random numbers would not be the run it continues."""
+    from accelerate.utils.other import load  # weights_only=True plus the numpy types RNG states need
+
+    for rel in manifest["files"]:
+        if not rel.endswith(_PICKLED):
+            continue
+        file = os.path.join(path, rel)
+        try:
+            load(file, map_location="cpu", mmap=True)
+        except Exception as e:  # noqa: BLE001 - any failure means the file cannot be restored
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"Checkpoint {path}: {file} cannot be loaded safely ({type(e).__name__}: {first}). Pickled code "
+                "and arbitrary objects are refused (weights_only=True) and were not run.") from None
+
+
+def check_compatible(path: str, model, num_processes: int):
+    """The checkpoint was written by this world size for a model with these tensor names and shapes."""
+    manifest = read_manifest(path)
+    if manifest.get("num_processes") != num_processes:
+        raise CheckpointError(
+            f"Checkpoint {path} was written by {manifest.get('num_processes')} processes but this run has "
+            f"{num_processes}. Per-process random states and the position in the data belong to that world size: "
+            "resume with the same number of processes (see docs/fault-tolerance.md).")
+    file = os.path.join(path, MODEL_FILE)
+    if not os.path.isfile(file):
+        return  # e.g. a sharded (FSDP) state: accelerate checks it while loading
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    with safe_open(file, framework="pt") as f:
+        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    problems = [f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
+                for k in expected if k in found and found[k] != expected[k]]
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        problems.append(f"unexpected tensors {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    if problems:
+        raise CheckpointError(f"Checkpoint {path}: {file} does not fit this model ({'; '.join(problems[:5])}). "
+                              "Resume with the model arguments the checkpoint was written with.")
+
+
+# ------------------------------------------------------------------------------------------------------ resolving
+def _say(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
+    """The verified folder `--resume_from_checkpoint` names: a folder, 'latest' (the newest good checkpoint in
+    output_dir; an error if there is none) or 'auto' (the same, but None when there is no checkpoint at all).
+    A bad newest checkpoint is skipped with a message naming the problem; the previous good one is used."""
+    if spec.startswith("auto:"):  # an elastic restart of a run started from another folder: newest here first
+        return resolve_resume_path("auto", output_dir, log) or resolve_resume_path(spec[5:], output_dir, log)
+    if spec in ("latest", "auto"):
+        found = list_checkpoints(output_dir)
+        if not found:
+            if spec == "auto":
+                return None
+            raise CheckpointError(f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_root(output_dir)}. "
+                                  "Drop the flag to start a new run, or pass the folder of a checkpoint.")
+        errors = []
+        for path in reversed(found):
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as e:
+                errors.append(str(e))
+                log(f"warning: skipping checkpoint {path}: {e}")
+                continue
+            if errors:
+                log(f"warning: resuming from {path}, the newest usable checkpoint ({len(errors)} newer one(s) "
+                    "skipped, see above).")
+            return path
+        raise CheckpointError(f"--resume_from_checkpoint {spec}: none of the {len(found)} checkpoint(s) in "
+                              f"{checkpoints_root(output_dir)} is usable; the newest: {errors[0]}")
+    if not os.path.isdir(spec):
+        raise CheckpointError(f"--resume_from_checkpoint {spec}: no such folder. Pass a checkpoint folder "
+                              f"(output_dir/checkpoints/step_<N>), 'latest' or 'auto'.")
+    if not os.path.isfile(os.path.join(spec, STATE_FILE)):
+        raise CheckpointError(f"--resume_from_checkpoint {spec}: not a checkpoint of ours ({STATE_FILE} missing).")
+    verify_checkpoint(spec)
+    return spec
+
+
+def resolve_on_main(accelerator, spec: str, output_dir: str) -> str | None:
+    """resolve_resume_path on the main process only (one reader of the files); the others get its answer, or
+    its error, so that every rank resumes from the same folder or every rank stops with the same message."""
+    if accelerator.num_processes == 1:
+        return resolve_resume_path(spec, output_dir)
+    from accelerate.utils import broadcast_object_list
+
+    answer = [None, None]
+    if accelerator.is_main_process:
+        try:
+            answer = [resolve_resume_path(spec, output_dir), None]
+        except CheckpointError as e:
+            answer = [None, str(e)]
+    broadcast_object_list(answer, from_process=0)
+    if answer[1] is not None:
+        raise CheckpointError(answer[1])
+    return answer[0]
+
+
+def remove_stale_tmp(output_dir: str) -> list[str]:
+    """Delete `.tmp_step_*` folders that a killed save left behind (main process, before training)."""
+    root = checkpoints_root(output_dir)
+    stale = [os.path.join(root, d) for d in (os.listdir(root) if os.path.isdir(root) else []) if _TMP_DIR.match(d)]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+# -------------------------------------------------------------------------------------------------------- loading
+def load_checkpoint(accelerator, path: str, model, ema=None) -> dict:
+    """Restore everything save_checkpoint wrote (the folder was verified by resolve_*); returns the trainer state.
+    `model`: the prepared model (as accelerate saved it: DDP adds `module.`), to check tensor shapes first."""
+    check_compatible(path, model, accelerator.num_processes)
     state = read_state(path)
     accelerator.load_state(path)
     if ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):

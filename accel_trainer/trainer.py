@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
+from . import faults
 from .accel import build_accelerator, launched_world_size
 from .args import TrainingArguments
 from .errors import UserError
@@ -108,6 +109,11 @@ class Trainer:
                      else default_optimizer(model, args))
 
         self.micro_batches_per_epoch = len(train)
+        if isinstance(train, DataLoader) and acc.num_processes > 1:
+            # prepare() shards the batches over the ranks (even_batches: the last ones are padded to a full round);
+            # counting the unsharded length here made an epoch never end (fit looped forever on an empty epoch).
+            P = acc.num_processes
+            self.micro_batches_per_epoch = len(train) // P if train.drop_last else math.ceil(len(train) / P)
         if self.micro_batches_per_epoch == 0:
             raise UserError("The training data gives no batch on this process: fewer samples than "
                              "per_device_train_batch_size x processes? Lower the batch size or add data.")
@@ -122,6 +128,9 @@ class Trainer:
         loaders = iter(prepared[3:])
         self.train_loader = next(loaders) if isinstance(train, DataLoader) else train
         self.eval_loader = (next(loaders) if isinstance(evald, DataLoader) else evald)
+        if len(self.train_loader) != self.micro_batches_per_epoch:
+            raise RuntimeError(f"Internal: {len(self.train_loader)} train batches per epoch on this rank after "
+                               f"prepare(), {self.micro_batches_per_epoch} expected.")
         self.ema = (AveragedModel(acc.unwrap_model(self.model), multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay),
                                   use_buffers=True) if args.ema_decay > 0 else None)
 
@@ -137,6 +146,14 @@ class Trainer:
         self.skipped_steps = 0  # fp16 overflow skips + non-finite skips
         self._log_window: list = []  # (loss tensor, n_items) per update since the last log
         self._train_iter = None
+        # Faults (faults.py): preemption signals set a flag that fit() checks at update boundaries; with several
+        # processes the ranks agree through the update's all-reduce. A side gloo group names a dead/hung rank.
+        self._preemption = faults.PreemptionHandler()
+        self._vote_values = (torch.zeros((), device=acc.device), torch.ones((), device=acc.device))
+        self._stop_vote = self._prev_vote = None
+        self._saved_step = None
+        self._diag_group = faults.make_diagnostic_group(acc)
+        self._test_faults = faults.TestFaults.from_env()  # None unless a test injects faults
 
         self._write_run_config()
         if args.trackers:
@@ -159,11 +176,18 @@ class Trainer:
         check_world(self.accelerator)
 
     def _check_output_dir(self) -> str | None:
+        """The verified checkpoint to resume from (None: a new run), and a clean output_dir for a new run.
+        'auto' (and any elastic restart, see faults.py) resumes when there is a checkpoint and starts anew when
+        there is none, replacing the logs of an attempt that died before its first checkpoint."""
         args, out = self.args, self.args.output_dir
-        if args.resume_from_checkpoint:
-            return ckpt.resolve_resume_path(args.resume_from_checkpoint, out)
+        spec = faults.effective_resume_spec(args.resume_from_checkpoint)
+        if spec:
+            path = ckpt.resolve_on_main(self.accelerator, spec, out)
+            if path is not None:
+                return path
         previous = [f for f in PREVIOUS_RUN_FILES if os.path.exists(os.path.join(out, f))]
-        if previous and not args.overwrite_output_dir:
+        leftovers = spec is not None and spec.startswith("auto") and "model.safetensors" not in previous
+        if previous and not (args.overwrite_output_dir or leftovers):
             raise FileExistsError(
                 f"output_dir {out} holds a previous run ({', '.join(previous)}). Pass --resume_from_checkpoint latest"
                 " to continue it, --overwrite_output_dir to delete it and start over, or another --output_dir.")
@@ -224,31 +248,36 @@ class Trainer:
                         disable=args.disable_tqdm or not acc.is_main_process)
         self.model.train()
         last_eval: dict = {}
-        while self.global_step < self.total_steps:
-            batches = self._epoch_batches(self.epoch, self.batch_in_epoch)
-            window = []
-            for batch in batches:
-                window.append(batch)
-                # Windows are aligned to the epoch start; the last one of an epoch may be shorter.
-                if len(window) < G and self.batch_in_epoch + len(window) < L:
-                    continue
-                self.batch_in_epoch += len(window)
-                self._update(window)
+        with self._preemption, faults.peer_failures(self):
+            while self.global_step < self.total_steps:
+                batches = self._epoch_batches(self.epoch, self.batch_in_epoch)
                 window = []
-                progress.update(1)
-                epoch_done = self.batch_in_epoch >= L
-                if epoch_done:
-                    self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-                step, last = self.global_step, self.global_step >= self.total_steps
-                if step % args.logging_steps == 0 or last:
-                    self._log(progress)
-                if self.eval_loader is not None and not last and (
-                        (args.eval_steps and step % args.eval_steps == 0) or (not args.eval_steps and epoch_done)):
-                    last_eval = self.evaluate()
-                if args.save_steps and step % args.save_steps == 0 and not last:
-                    self.save_checkpoint()
-                if last or epoch_done:
-                    break
+                for batch in batches:
+                    window.append(batch)
+                    # Windows are aligned to the epoch start; the last one of an epoch may be shorter.
+                    if len(window) < G and self.batch_in_epoch + len(window) < L:
+                        continue
+                    self.batch_in_epoch += len(window)
+                    self._update(window)
+                    if self._test_faults is not None:
+                        self._test_faults.after_update(acc.process_index, self.global_step)
+                    window = []
+                    progress.update(1)
+                    epoch_done = self.batch_in_epoch >= L
+                    if epoch_done:
+                        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                    step, last = self.global_step, self.global_step >= self.total_steps
+                    if step % args.logging_steps == 0 or last:
+                        self._log(progress)
+                    if self.eval_loader is not None and not last and (
+                            (args.eval_steps and step % args.eval_steps == 0) or (not args.eval_steps and epoch_done)):
+                        last_eval = self.evaluate()
+                    if args.save_steps and step % args.save_steps == 0 and not last:
+                        self.save_checkpoint()
+                    if not last and self._preemption_agreed():
+                        self._preempt(progress)
+                    if last or epoch_done:
+                        break
         progress.close()
         if self.eval_loader is not None or self.recipe.on_evaluate:
             last_eval = self.evaluate(final=True)
@@ -294,9 +323,11 @@ class Trainer:
 
         if self._weighted:
             totals = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                                  torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(())])
+                                  torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
+                                  self._vote_values[self._preemption.requested]])  # 1 on a rank that got SIGTERM
             if acc.num_processes > 1:
                 totals = acc.reduce(totals, reduction="sum")
+                self._stop_vote = totals[2]  # the ranks' vote rides on this all-reduce: no extra collective
             loss_sum, n_sum = totals[0], totals[1]
             grads = [p.grad for p in self._params if p.grad is not None]
             # DDP averaged the per-rank sums over ranks; the mean over all N items of the global batch is that
@@ -436,8 +467,32 @@ class Trainer:
     def save_checkpoint(self) -> str:
         if self._log_window:
             self._log()  # also stops on a non-finite loss before anything is written over a good checkpoint
-        return ckpt.save_checkpoint(self.accelerator, self.args.output_dir, self.global_step, self.state(),
-                                    ema=self.ema, save_total_limit=self.args.save_total_limit)
+        path = ckpt.save_checkpoint(self.accelerator, self.args.output_dir, self.global_step, self.state(),
+                                    ema=self.ema, save_total_limit=self.args.save_total_limit,
+                                    hooks=self._test_faults)
+        self._saved_step = self.global_step
+        return path
+
+    def _preemption_agreed(self) -> bool:
+        """True once a preemption signal reached this process (1 process: a flag, no cost) or, with several
+        processes, any rank: every rank reads the same all-reduced vote at the same update. The vote read is the
+        previous update's, whose all-reduce has finished by now: no wait on the current update's GPU work."""
+        if self.accelerator.num_processes == 1:
+            return self._preemption.requested
+        vote, self._prev_vote = self._prev_vote, self._stop_vote
+        return vote is not None and bool(vote > 0)
+
+    def _preempt(self, progress=None):
+        """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
+        path = (os.path.join(ckpt.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
+                if self._saved_step == self.global_step else self.save_checkpoint())
+        if progress is not None:
+            progress.close()
+        self.accelerator.end_training()
+        self.reporter.print(f"Preempted ({self._preemption.signal_name or 'signal on another rank'}): checkpoint "
+                            f"{path} at step {self.global_step}; exiting with code {faults.EXIT_PREEMPTED}. Resume "
+                            "with --resume_from_checkpoint latest.")
+        raise faults.Preempted(path, self.global_step)
 
     def _resume(self, path: str):
         mine = self.state()
@@ -448,7 +503,10 @@ class Trainer:
                 f"Checkpoint {path} was written with " + ", ".join(f"{k}={ckpt.read_state(path)[k]}" for k in changed)
                 + " but this run has " + ", ".join(f"{k}={mine[k]}" for k in changed) + ". The position in the data "
                 "and the per-process random states are tied to them: resume with the same values.")
-        state = ckpt.load_checkpoint(self.accelerator, path, ema=self.ema)
+        state = ckpt.load_checkpoint(self.accelerator, path, self.model, ema=self.ema)
+        if self.accelerator.is_main_process:
+            for stale in ckpt.remove_stale_tmp(self.args.output_dir):
+                self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batch_in_epoch, self.skipped_steps = state["batch_in_epoch"], state["skipped_steps"]
         self.reporter.print(f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, "
