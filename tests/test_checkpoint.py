@@ -1,0 +1,198 @@
+"""Checkpoints in-process (1 process): the manifest, verification of truncated/corrupt/malicious/incompatible
+checkpoints, `latest` falling back to the previous good one, `auto`, and the NaN policies."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import RECIPES
+
+sys.path.insert(0, RECIPES)
+import regression  # noqa: E402
+
+from accel_trainer import Trainer, TrainingArguments  # noqa: E402
+from accel_trainer.checkpoint import CheckpointError, write_manifest  # noqa: E402
+from accel_trainer.trainer import NonFiniteLossError  # noqa: E402
+
+
+def make(out, recipe=regression, recipe_args=None, **kw):
+    kw.setdefault("learning_rate", 1e-2)
+    kw.setdefault("per_device_train_batch_size", 16)
+    kw.setdefault("disable_tqdm", True)
+    kw.setdefault("logging_steps", 2)
+    args = TrainingArguments(output_dir=str(out), **kw)
+    return Trainer(recipe, args, recipe_args or regression.Args(), quiet=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished run with checkpoints at steps 4, 8, 12 (the last is the final one)."""
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    make(out, max_steps=12, save_steps=4).fit()
+    return out
+
+
+def copy_run(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rehash(folder):
+    """What an attacker (or a careless tool) does: rewrite the manifest to match altered files."""
+    state = json.load(open(os.path.join(folder, "trainer_state.json")))
+    write_manifest(str(folder), state)
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(trained):
+    root = trained / "checkpoints"
+    assert sorted(os.listdir(root)) == ["step_12", "step_4", "step_8"]  # no .tmp_step_* left behind
+    m = json.load(open(root / "step_8" / "manifest.json"))
+    assert (m["step"], m["epoch"], m["batch_in_epoch"], m["num_processes"]) == (8, 0, 8, 1)
+    on_disk = sorted(f for f in os.listdir(root / "step_8") if f != "manifest.json")
+    assert sorted(m["files"]) == on_disk
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "trainer_state.json"} <= set(on_disk)
+    for name, meta in m["files"].items():
+        data = open(root / "step_8" / name, "rb").read()
+        assert meta["size"] == len(data) and meta["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_truncated_newest_checkpoint_named_and_latest_falls_back(trained, tmp_path, capsys):
+    out = copy_run(trained, tmp_path / "run")
+    model = out / "checkpoints" / "step_12" / "model.safetensors"
+    os.truncate(model, os.path.getsize(model) // 2)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is truncated"):
+        make(out, max_steps=16, save_steps=4, resume_from_checkpoint=str(out / "checkpoints" / "step_12"))
+    t = make(out, max_steps=16, save_steps=4, resume_from_checkpoint="latest")
+    assert t.global_step == 8
+    err = capsys.readouterr().err
+    assert "skipping checkpoint" in err and "step_12" in err and "truncated" in err
+    assert "resuming from" in err and "step_8" in err
+
+
+def test_corrupt_file_same_size_is_named(trained, tmp_path):
+    out = copy_run(trained, tmp_path / "run")
+    opt = out / "checkpoints" / "step_8" / "optimizer.bin"
+    data = bytearray(open(opt, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(opt, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optimizer\.bin is corrupt \(sha256"):
+        make(out, max_steps=16, resume_from_checkpoint=str(out / "checkpoints" / "step_8"))
+
+
+def test_all_checkpoints_bad_is_an_error_not_a_fresh_start(trained, tmp_path):
+    out = copy_run(trained, tmp_path / "run")
+    for step in (4, 8, 12):
+        os.remove(out / "checkpoints" / f"step_{step}" / "manifest.json")
+    for spec in ("latest", "auto"):
+        with pytest.raises(CheckpointError, match="none of the 3 checkpoint"):
+            make(out, max_steps=16, resume_from_checkpoint=spec)
+
+
+class _Payload:
+    """Unpickling this calls os.system: what a malicious checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("victim", ["optimizer.bin", "random_states_0.pkl"])
+def test_pickle_that_runs_code_is_refused_and_not_run(trained, tmp_path, victim):
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_12"
+    marker = tmp_path / "pwned"
+    torch.save({"state": _Payload(str(marker))}, folder / victim)
+    rehash(folder)  # the manifest matches: safety must not rest on the hashes
+    # The payload is live: an unsafe load (weights_only=False) in another process runs it.
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(folder / victim)!r}, weights_only=False)"],
+                   timeout=120, capture_output=True)
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(CheckpointError, match=rf"{victim}.*cannot be loaded safely.*not run"):
+        make(out, max_steps=16, resume_from_checkpoint=str(folder))
+    assert not marker.exists()
+    # 'latest' refuses it too and falls back to step_8
+    t = make(out, max_steps=16, resume_from_checkpoint="latest")
+    assert t.global_step == 8 and not marker.exists()
+
+
+def test_other_model_shape_is_refused_naming_tensor(trained):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors does not fit this model \(0\.weight: \(32, 16\) "
+                                              r"in the checkpoint, \(64, 16\)"):
+        make(trained, regression, regression.Args(hidden_size=64), max_steps=16,
+             resume_from_checkpoint=str(trained / "checkpoints" / "step_8"))
+
+
+def test_other_world_size_is_refused(trained, tmp_path):
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_8"
+    state = json.load(open(folder / "trainer_state.json"))
+    state["num_processes"] = 2
+    json.dump(state, open(folder / "trainer_state.json", "w"))
+    write_manifest(str(folder), state)
+    with pytest.raises(CheckpointError, match="num_processes=2 but this run has num_processes=1"):
+        make(out, max_steps=16, resume_from_checkpoint=str(folder))
+
+
+def test_auto_starts_fresh_without_checkpoint_and_resumes_with_one(tmp_path):
+    out = tmp_path / "run"
+    t = make(out, max_steps=6, save_steps=4, resume_from_checkpoint="auto")
+    assert t.global_step == 0
+    os.makedirs(out / "checkpoints" / ".tmp_step_8")  # a save that was killed
+    t.fit()
+    t = make(out, max_steps=10, save_steps=4, resume_from_checkpoint="auto")
+    assert t.global_step == 6  # the final checkpoint; the stale .tmp folder is ignored and removed
+    assert not (out / "checkpoints" / ".tmp_step_8").exists()
+    # an attempt that died before its first checkpoint left logs only: auto starts over in place
+    other = tmp_path / "died_early"
+    os.makedirs(other)
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert make(other, max_steps=4, resume_from_checkpoint="auto").global_step == 0
+    assert not (other / "metrics.jsonl").exists()
+
+
+def _nan_recipe(at_update: int):
+    """regression, with the loss of the `at_update`-th update (1-based) made NaN."""
+    calls = {"n": 0}
+
+    def loss(model, batch):
+        value, n = regression.loss(model, batch)
+        calls["n"] += 1
+        return (value * float("nan") if calls["n"] == at_update else value), n
+
+    rec = types.SimpleNamespace(**{k: getattr(regression, k) for k in
+                                   ("Args", "build_model", "build_data", "eval_step", "build_metrics", "defaults")})
+    rec.loss, rec.name = loss, "regression_nan"
+    return rec
+
+
+def test_nan_stop_names_the_step_and_writes_no_checkpoint_after_it(tmp_path):
+    out = tmp_path / "run"
+    t = make(out, _nan_recipe(6), max_steps=12, save_steps=4, logging_steps=5)
+    with pytest.raises(NonFiniteLossError, match="Loss is nan at step 6"):
+        t.fit()
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_4"]  # the save at step 8 stopped first
+    assert not (out / "model.safetensors").exists()
+
+
+def test_nan_skip_skips_and_counts(tmp_path):
+    out = tmp_path / "run"
+    t = make(out, _nan_recipe(6), max_steps=12, save_steps=0, logging_steps=4, nan_policy="skip")
+    t.fit()
+    assert t.skipped_steps == 1 and t.global_step == 12
+    events = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [e for e in events if "loss" in e]
+    assert [e["skipped_steps"] for e in train] == [0, 1, 1]
+    assert all(torch.isfinite(v).all() for v in load_file(out / "model.safetensors").values())
