@@ -143,7 +143,7 @@ def test_missing_peer_static_fails_within_bound_and_says_who(tmp_path):
     port = free_port()
     cfg = two_machine_config(tmp_path, "static", port)
     t0 = time.monotonic()
-    proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=8",
+    proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=5",
                                      "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
     took = time.monotonic() - t0
@@ -161,7 +161,7 @@ def test_missing_peer_c10d_fails_within_bound_and_says_what_to_check(tmp_path):
     t0 = time.monotonic()
     # No --rdzv_backend: `accel-trainer launch` takes c10d from the config (accelerate alone would run static).
     proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf",
-                                     "join_timeout=8,read_timeout=8", "recipes/regression.py", "--output_dir",
+                                     "join_timeout=5,read_timeout=5", "recipes/regression.py", "--output_dir",
                                      str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
     took = time.monotonic() - t0
@@ -178,7 +178,7 @@ def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
         busy.listen()
         cfg = two_machine_config(tmp_path, "static", busy.getsockname()[1])
         t0 = time.monotonic()
-        proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=8",
+        proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=5",
                                          "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
                               capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
     assert proc.returncode != 0
