@@ -51,7 +51,7 @@ class Args:
     train_file: Optional[str] = field(default=None, metadata={"help": "Local .txt/.csv/.json(l) training file."})
     validation_file: Optional[str] = field(default=None, metadata={"help": "Local validation file."})
     validation_split_percentage: float = field(
-        default=5.0, metadata={"help": "Without a validation split/file: hold out the LAST this-% of train rows."})
+        default=5.0, metadata={"help": "Without a validation split or file: hold out the last this-many percent of the train rows."})
     text_column: str = field(default="text", metadata={"help": "Column holding the text."})
     block_size: int = field(default=128, metadata={"help": "Tokens per training example."})
     packing: bool = field(

@@ -25,6 +25,10 @@ from accel_trainer.text import (MissingInputError, length_grouped_train, load_co
                                 load_text_dataset, load_tokenizer)
 
 name = "glue"
+# Accelerate's nlp_example.py hyper-parameters (flags override them): batch 16 (eval 32), 3 epochs,
+# lr 2e-5 with 100 warm-up steps then linear decay; eval at the end of each epoch.
+defaults = {"per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "num_train_epochs": 3,
+            "learning_rate": 2e-5, "warmup_steps": 100}
 
 # (first text column, second text column or None) per GLUE task, as in transformers' run_glue.py
 TASK_TO_KEYS = {

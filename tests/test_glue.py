@@ -123,7 +123,8 @@ def test_end_to_end_length_grouped(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe("glue", [
         "--model_name_or_path", env["model"], "--dataset_name", env["data"], "--output_dir", str(out),
-        "--group_by_length", "--max_steps", "40", "--learning_rate", "3e-3", "--per_device_train_batch_size", "8",
+        "--group_by_length", "--max_steps", "40", "--warmup_steps", "0", "--learning_rate", "3e-3",
+        "--per_device_train_batch_size", "8",
         "--logging_steps", "5", "--eval_steps", "20", "--save_steps", "0", "--disable_tqdm", "--seed", "0",
     ], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -154,7 +155,7 @@ def test_two_process_eval_on_an_uneven_split_matches_one_process(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe("glue", [
         "--model_name_or_path", env["model"], "--dataset_name", env["data"], "--output_dir", str(out),
-        "--max_steps", "8", "--learning_rate", "3e-3", "--per_device_train_batch_size", "4",
+        "--max_steps", "8", "--warmup_steps", "0", "--learning_rate", "3e-3", "--per_device_train_batch_size", "4",
         "--per_device_eval_batch_size", "4", "--logging_steps", "4", "--save_steps", "0", "--disable_tqdm",
     ], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
