@@ -281,6 +281,19 @@ def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_
     at = argv.index(args.training_script)  # our flags go before the script; its own arguments stay after it
     given = {a.split("=")[0] for a in argv[:at]}
     machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)
+    rank = int(args.machine_rank or 0)
+    if machines > 1 and not 0 <= rank < machines:
+        print(f"launch: --machine_rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}); "
+              "give each machine its own rank.", file=sys.stderr)
+        return 2
+    host = args.main_process_ip or getattr(config, "main_process_ip", None)
+    if machines > 1 and rank > 0 and host:
+        try:  # a name that does not resolve fails here, at once, instead of after the rendezvous timeout
+            socket.getaddrinfo(host, None)
+        except socket.gaierror as e:
+            print(f"launch: cannot resolve machine 0's address {host!r} ({e}); pass --main_process_ip with its "
+                  "cluster-network IP.", file=sys.stderr)
+            return 2
     extra = []
     if machines > 1:
         backend = args.rdzv_backend if "--rdzv_backend" in given else getattr(config, "rdzv_backend", "static")

@@ -234,3 +234,15 @@ def test_each_process_alone_in_a_world_of_one_is_stopped(tmp_path):
     assert proc.returncode != 0
     assert "TRAINED ALONE" not in out
     assert "WORLD_SIZE=2" in out and "joined a world of 1" in out and "cpu=True" in out, out[-2000:]
+
+
+def test_wrapper_refuses_a_rank_out_of_range_and_an_unresolvable_main_address(tmp_path, capsys):
+    from accel_trainer import preflight
+
+    cfg = two_machine_config(tmp_path, "static", free_port())
+    capsys.readouterr()
+    assert preflight.launch(["--config_file", cfg, "--machine_rank", "2", "recipes/regression.py"]) == 2
+    assert "--machine_rank 2 is out of range for 2 machines (valid: 0..1)" in capsys.readouterr().err
+    assert preflight.launch(["--config_file", cfg, "--machine_rank", "1", "--main_process_ip", "machine0.invalid",
+                             "recipes/regression.py"]) == 2
+    assert "cannot resolve machine 0's address 'machine0.invalid'" in capsys.readouterr().err
