@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from accel_trainer.errors import UserError
 
-# The torchrun rendezvous waits 600 s for missing machines by default. We bound it tighter and say how.
+# torchrun waits 900 s (static) or 600 s (c10d) for a missing machine by default; we bound it tighter.
 DEFAULT_RDZV_TIMEOUT_S = 120
 DEFAULT_PORT = 29500
 
