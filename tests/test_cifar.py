@@ -277,6 +277,28 @@ def test_lr_units_and_schedule():
     assert factors[29][2] > 0 and factors[30][2] == 0                   # whitening bias frozen after 30%
 
 
+def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
+    from accel_trainer import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    targs, args = parse_args(cifar.Args, ["--preset", "small"], defaults=cifar.defaults)
+    cifar.configure(args, targs)
+    small = cifar.PRESETS["small"]
+    assert args.widths == small["widths"] and targs.num_train_epochs == small["num_train_epochs"]
+    assert targs.per_device_train_batch_size == small["batch_size"] // 2          # global batch split over 2
+    assert targs.per_device_eval_batch_size == small["eval_batch_size"] // 2
+    assert targs.max_grad_norm == 0 and targs.learning_rate == 11.5              # the recipe's defaults
+    targs, args = parse_args(cifar.Args, ["--preset", "small", "--widths", "8,8,8", "--num_train_epochs", "3",
+                                          "--batch_size", "64", "--mixed_precision", "no"], defaults=cifar.defaults)
+    cifar.configure(args, targs)
+    assert (args.widths, targs.num_train_epochs, targs.per_device_train_batch_size) == ("8,8,8", 3, 32)
+    assert targs.mixed_precision == "no"
+    targs, args = parse_args(cifar.Args, ["--batch_size", "1001"], defaults=cifar.defaults)
+    with pytest.raises(ValueError, match="split evenly"):
+        cifar.configure(args, targs)
+
+
 def test_lookahead_pulls_weights_to_their_average():
     torch.manual_seed(0)
     net = cifar.CifarNet(widths=(4, 8, 8))
