@@ -103,34 +103,25 @@ class Trainer:
         data = self.recipe.build_data(recipe_args, args, acc)
         if "train" not in data:
             raise ValueError(f"Recipe {self.recipe.name}: build_data must return a dict with a 'train' entry.")
+        # Data loaders first: the number of batches per epoch on this rank (after Accelerate shards them) sets the
+        # number of updates, which the scheduler needs before it is built.
         train = self._loader(data["train"], train=True)
         evald = self._loader(data["eval"], train=False) if data.get("eval") is not None else None
-        optimizer = (self.recipe.build_optimizer(model, recipe_args, args) if self.recipe.build_optimizer
-                     else default_optimizer(model, args))
-
-        self.micro_batches_per_epoch = len(train)
-        if isinstance(train, DataLoader) and acc.num_processes > 1:
-            # prepare() shards the batches over the ranks (even_batches: the last ones are padded to a full round);
-            # counting the unsharded length here made an epoch never end (fit looped forever on an empty epoch).
-            P = acc.num_processes
-            self.micro_batches_per_epoch = len(train) // P if train.drop_last else math.ceil(len(train) / P)
+        self.train_loader = acc.prepare(train) if isinstance(train, DataLoader) else train
+        self.eval_loader = acc.prepare(evald) if isinstance(evald, DataLoader) else evald
+        self.micro_batches_per_epoch = len(self.train_loader)
         if self.micro_batches_per_epoch == 0:
             raise UserError("The training data gives no batch on this process: fewer samples than "
                              "per_device_train_batch_size x processes? Lower the batch size or add data.")
         self.updates_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
         self.total_steps = (args.max_steps if args.max_steps > 0
                             else math.ceil(args.num_train_epochs * self.updates_per_epoch))
+
+        optimizer = (self.recipe.build_optimizer(model, recipe_args, args) if self.recipe.build_optimizer
+                     else default_optimizer(model, args))
         scheduler = (self.recipe.build_scheduler(optimizer, self.total_steps, recipe_args, args)
                      if self.recipe.build_scheduler else default_scheduler(optimizer, self.total_steps, args))
-
-        prepared = acc.prepare(model, optimizer, scheduler, *[x for x in (train, evald) if isinstance(x, DataLoader)])
-        self.model, self.optimizer, self.scheduler = prepared[:3]
-        loaders = iter(prepared[3:])
-        self.train_loader = next(loaders) if isinstance(train, DataLoader) else train
-        self.eval_loader = (next(loaders) if isinstance(evald, DataLoader) else evald)
-        if len(self.train_loader) != self.micro_batches_per_epoch:
-            raise RuntimeError(f"Internal: {len(self.train_loader)} train batches per epoch on this rank after "
-                               f"prepare(), {self.micro_batches_per_epoch} expected.")
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
         self.ema = (AveragedModel(acc.unwrap_model(self.model), multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay),
                                   use_buffers=True) if args.ema_decay > 0 else None)
 

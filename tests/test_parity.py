@@ -9,7 +9,8 @@ import pytest
 
 from helpers import assert_same_weights, metrics, run, run_config, weights
 
-COMMON = ["--mask_prob", "0.5", "--max_steps", "12", "--logging_steps", "1", "--learning_rate", "0.05",
+# 256 samples / global batch 16 = 16 updates per epoch: 20 updates cross an epoch boundary.
+COMMON = ["--mask_prob", "0.5", "--max_steps", "20", "--logging_steps", "1", "--learning_rate", "0.05",
           "--lr_scheduler_type", "linear", "--warmup_steps", "3", "--num_eval_samples", "37",
           "--per_device_eval_batch_size", "4", "--eval_steps", "6", "--save_steps", "0", "--disable_tqdm"]
 
@@ -49,7 +50,7 @@ def test_scheduler_steps_once_per_update_on_any_world_size(runs):
         return [(m["step"], m["learning_rate"]) for m in metrics(d) if "learning_rate" in m]
 
     ref = lrs(runs["1x16x1"][0])
-    assert [s for s, _ in ref] == list(range(1, 13))
+    assert [s for s, _ in ref] == list(range(1, 21))
     assert ref[2][1] == pytest.approx(0.05)  # end of warm-up (3 updates) at the peak
     assert lrs(runs["2x4x2"][0]) == pytest.approx(ref)
 
@@ -58,7 +59,7 @@ def test_eval_counts_every_sample_once(runs):
     # 37 samples over 2 ranks x batch 4: Accelerate pads the last batches with repeats; none may count.
     evals = {name: [m for m in metrics(d) if "eval_loss" in m] for name, (d, _) in runs.items()}
     for name, ev in evals.items():
-        assert [m["eval_samples"] for m in ev] == [37, 37], name
+        assert [m["eval_samples"] for m in ev] == [37, 37, 37, 37], name  # steps 6, 12, 18, 20
     for a, b in zip(evals["2x4x2"], evals["1x16x1"]):
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
         assert a["eval_mse"] == pytest.approx(b["eval_mse"], rel=1e-5)
@@ -67,10 +68,10 @@ def test_eval_counts_every_sample_once(runs):
 def test_only_the_main_process_prints_and_logs(runs):
     d, proc = runs["2x4x2"]
     steps = [m["step"] for m in metrics(d) if "loss" in m]
-    assert steps == list(range(1, 13))  # each log event once, not once per rank
+    assert steps == list(range(1, 21))  # each log event once, not once per rank
     printed = [line for line in proc.stdout.splitlines() if line.startswith("step=") and "loss=" in line
                and "eval_loss" not in line]
-    assert len(printed) == 12
+    assert len(printed) == 20
 
 
 NOTEBOOK = """
