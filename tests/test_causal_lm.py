@@ -6,6 +6,7 @@ save_pretrained into a temp folder and loaded by path. No network, nothing from 
 """
 
 import glob
+import json
 import math
 import os
 
@@ -121,8 +122,11 @@ def test_from_scratch_end_to_end(env, tmp_path):
         "--block_size", "32", "--output_dir", str(out), "--max_steps", "30", "--learning_rate", "3e-3",
         "--per_device_train_batch_size", "8", "--logging_steps", "5", "--eval_steps", "15", "--save_steps", "0",
         "--disable_tqdm", "--sample_prompt", "the cat", "--sample_max_new_tokens", "8", "--seed", "1",
+        "--mixed_precision", "bf16", "--gradient_checkpointing",  # through the Trainer, for transformers models
     ], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["topology"]["mixed_precision"] == "bf16" and config["args"]["gradient_checkpointing"]
     events = read_jsonl(out / "metrics.jsonl")
     losses = [e["loss"] for e in events if "loss" in e]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.8, losses  # random init: ~ln(300)=5.7 to well below
@@ -172,8 +176,6 @@ def parity_runs(env):
 
 
 def test_world_size_is_two(parity_runs):
-    import json
-
     runs, _ = parity_runs
     for name, out in runs.items():
         config = json.loads((out / "run_config.json").read_text())
