@@ -192,6 +192,13 @@ def check_safe_to_load(path: str, manifest: dict):
                 "and arbitrary objects are refused (weights_only=True) and were not run.") from None
 
 
+def _plain_key(name: str) -> str:
+    """A tensor name without the wrappers' prefixes (DDP `module.`, torch.compile `_orig_mod.`)."""
+    while name.startswith(("module.", "_orig_mod.")):
+        name = name.split(".", 1)[1]
+    return name
+
+
 def check_compatible(path: str, model, num_processes: int):
     """The checkpoint was written by this world size for a model with these tensor names and shapes."""
     manifest = read_manifest(path)
@@ -203,9 +210,9 @@ def check_compatible(path: str, model, num_processes: int):
     file = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(file):
         return  # e.g. a sharded (FSDP) state: accelerate checks it while loading
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
     with safe_open(file, framework="pt") as f:
-        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        found = {_plain_key(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     problems = [f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
                 for k in expected if k in found and found[k] != expected[k]]
     missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
@@ -290,7 +297,7 @@ def remove_stale_tmp(output_dir: str) -> list[str]:
 # -------------------------------------------------------------------------------------------------------- loading
 def load_checkpoint(accelerator, path: str, model, ema=None) -> dict:
     """Restore everything save_checkpoint wrote (the folder was verified by resolve_*); returns the trainer state.
-    `model`: the prepared model (as accelerate saved it: DDP adds `module.`), to check tensor shapes first."""
+    `model`: the model being trained (wrapped or not), to check tensor names and shapes against first."""
     check_compatible(path, model, accelerator.num_processes)
     state = read_state(path)
     accelerator.load_state(path)

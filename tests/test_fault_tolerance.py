@@ -1,0 +1,246 @@
+"""Fault tolerance end to end, as users run it (python / accelerate launch, 1 and 2 CPU processes):
+
+- SIGKILL at several steps (mid-epoch, during a checkpoint write, a later epoch), resume with `latest`: the final
+  model.safetensors is byte-identical to the uninterrupted run's;
+- SIGTERM / SIGUSR1: a checkpoint, exit code 75, and the resumed run is still the uninterrupted one;
+- elastic: a worker exits non-zero once under --max_restarts 1, the group restarts and resumes by itself;
+- a hung rank ends the job within --ddp_timeout plus a bound, naming the rank; no process is left behind.
+
+Runs are slowed and faults injected with the test-only ACCEL_TRAINER_TEST_FAULTS (accel_trainer/faults.py).
+Every process tree started here is killed in a finally block.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from helpers import RECIPES, env, launch_cmd
+from accel_trainer.faults import EXIT_PREEMPTED
+from accel_trainer.topology import RESTART_SAFE_ENV
+
+SCRIPT = os.path.join(RECIPES, "regression.py")
+# 256 samples, batch 16: 16 updates per epoch on 1 process, 8 per rank on 2. Dropout and masked targets make every
+# RNG stream and the item weighting matter.
+ARGS = ["--max_steps", "40", "--save_steps", "4", "--logging_steps", "1", "--dropout", "0.2", "--mask_prob", "0.3",
+        "--disable_tqdm"]
+DEADLINE = 180  # seconds any single launch may take on a loaded 2-core machine
+
+
+class Run:
+    """One launch in its own session; its whole process tree (torchrun puts workers in their own sessions) is
+    tracked so that it can be killed, and checked gone."""
+
+    def __init__(self, tmp, out, nproc, extra=(), faults=None, launcher_args=(), extra_env=None):
+        self.out = str(out)
+        e = env(**(extra_env or {}))
+        if faults:
+            e["ACCEL_TRAINER_TEST_FAULTS"] = faults
+        cmd = launch_cmd(nproc) + list(launcher_args) + [SCRIPT, "--output_dir", self.out] + ARGS + list(extra)
+        self.log = open(os.path.join(tmp, f"log_{time.monotonic_ns()}.txt"), "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e, start_new_session=True)
+        self.seen: dict[int, psutil.Process] = {}
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            for p in [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True):
+                self.seen.setdefault(p.pid, p)
+        except psutil.NoSuchProcess:
+            pass
+        return [p for p in self.seen.values() if p.is_running()]
+
+    def kill(self, sig=signal.SIGKILL):
+        for p in self.tree():
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+    def wait(self, timeout=DEADLINE) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+            psutil.wait_procs(list(self.seen.values()), timeout=10)
+
+    def wait_until(self, cond, timeout=DEADLINE, poll=0.05):
+        start = time.monotonic()
+        while not cond():
+            self.tree()  # keep the list of descendants fresh while they live
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exited {self.proc.returncode} before the condition held:\n{self.output()}")
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"condition not met within {timeout} s:\n{self.output()}")
+            time.sleep(poll)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def no_process_left(self):
+        alive = [p for p in self.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"processes left: {alive}"
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield started
+    for r in started:
+        r.kill()
+        psutil.wait_procs(list(r.seen.values()), timeout=10)
+
+
+def start(runs, *a, **kw) -> Run:
+    r = Run(*a, **kw)
+    runs.append(r)
+    r.tree()
+    return r
+
+
+def last_step(out) -> int:
+    try:
+        lines = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass  # a line being written
+    return max(steps, default=0)
+
+
+def tmp_saves(out) -> list[str]:
+    root = os.path.join(out, "checkpoints")
+    return [d for d in os.listdir(root) if d.startswith(".tmp_step_")] if os.path.isdir(root) else []
+
+
+def final_bytes(out) -> bytes:
+    return open(os.path.join(out, "model.safetensors"), "rb").read()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Uninterrupted runs, 1 and 2 processes, started together (they are mostly start-up time)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    started = []
+    try:
+        for n in (1, 2):
+            started.append(Run(str(tmp), tmp / f"ref{n}", n))
+        for r in started:
+            assert r.wait() == 0, r.output()
+        return {n: final_bytes(tmp / f"ref{n}") for n in (1, 2)}
+    finally:
+        for r in started:
+            r.kill()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigkill_at_several_steps_then_resume_is_bit_identical(tmp_path, runs, references, nproc):
+    out = tmp_path / "run"
+    per_epoch = 16 // nproc
+    # 1. killed mid-epoch (after a checkpoint at step 4 or 8)
+    r = start(runs, tmp_path, out, nproc, faults="step_delay=0.1")
+    r.wait_until(lambda: last_step(out) >= 6)
+    r.kill()
+    r.wait()
+    r.no_process_left()
+    killed_at = last_step(out)
+    assert 6 <= killed_at < per_epoch * 2
+    # 2. resumed, killed while a checkpoint is being written (save_delay holds it between files and rename)
+    r = start(runs, tmp_path, out, nproc, ["--resume_from_checkpoint", "latest"], faults="step_delay=0.1,save_delay=30")
+    r.wait_until(lambda: tmp_saves(out))
+    time.sleep(0.3)
+    r.kill()
+    r.wait()
+    r.no_process_left()
+    (half,) = tmp_saves(out)
+    assert not os.path.exists(os.path.join(out, "checkpoints", half[len(".tmp_"):]))  # never renamed into place
+    # 3. resumed from the checkpoint before the interrupted one, killed in a later epoch
+    r = start(runs, tmp_path, out, nproc, ["--resume_from_checkpoint", "latest"], faults="step_delay=0.1")
+    r.wait_until(lambda: last_step(out) >= 2 * per_epoch + 3)
+    r.kill()
+    r.wait()
+    # 4. resumed to the end
+    r = start(runs, tmp_path, out, nproc, ["--resume_from_checkpoint", "latest"])
+    assert r.wait() == 0, r.output()
+    assert not tmp_saves(out)  # the interrupted save's folder was removed
+    assert final_bytes(out) == references[nproc]
+
+
+def test_sigterm_checkpoints_and_exits_75_then_resume_is_bit_identical(tmp_path, runs, references):
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 1, ["--save_steps", "0"], faults="step_delay=0.1")
+    r.wait_until(lambda: last_step(out) >= 5)
+    r.proc.send_signal(signal.SIGTERM)
+    assert r.wait(timeout=60) == EXIT_PREEMPTED, r.output()
+    (ckpt,) = os.listdir(out / "checkpoints")
+    state = json.load(open(out / "checkpoints" / ckpt / "trainer_state.json"))
+    assert ckpt == f"step_{state['global_step']}" and 5 <= state["global_step"] < 40
+    assert os.path.isfile(out / "checkpoints" / ckpt / "manifest.json")
+    assert "SIGTERM received" in r.output() and "Preempted" in r.output()
+    r = start(runs, tmp_path, out, 1, ["--save_steps", "0", "--resume_from_checkpoint", "latest"])
+    assert r.wait() == 0, r.output()
+    assert final_bytes(out) == references[1]
+
+
+def _worker(run: Run, rank: int) -> psutil.Process:
+    for p in run.tree():
+        try:
+            if p.environ().get("RANK") == str(rank) and "regression.py" in " ".join(p.cmdline()):
+                return p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def test_sigusr1_to_one_rank_stops_all_ranks_at_the_same_checkpoint(tmp_path, runs, references):
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 2, ["--save_steps", "0"], faults="step_delay=0.1")
+    r.wait_until(lambda: last_step(out) >= 5)
+    _worker(r, 1).send_signal(signal.SIGUSR1)  # rank 0 gets nothing: it must follow rank 1's vote
+    rc = r.wait(timeout=90)
+    log = r.output()
+    assert rc != 0 and log.count(f"exitcode  : {EXIT_PREEMPTED}") == 2, log  # torchrun's report, both ranks
+    (ckpt,) = os.listdir(out / "checkpoints")
+    m = json.load(open(out / "checkpoints" / ckpt / "manifest.json"))
+    assert m["num_processes"] == 2 and {"random_states_0.pkl", "random_states_1.pkl"} <= set(m["files"])
+    r.no_process_left()
+    r = start(runs, tmp_path, out, 2, ["--save_steps", "0", "--resume_from_checkpoint", "latest"])
+    assert r.wait() == 0, r.output()
+    assert final_bytes(out) == references[2]
+
+
+def test_elastic_restart_after_a_worker_dies_resumes_and_matches(tmp_path, runs, references):
+    out = tmp_path / "run"
+    # rank 1 exits with status 3 after update 10 on the first attempt; the group restarts once and resumes from
+    # step_8 by itself (no --resume_from_checkpoint on the command line).
+    r = start(runs, tmp_path, out, 2, faults="exit_at=1:10", extra_env={RESTART_SAFE_ENV: "1"},
+              launcher_args=["--max_restarts", "1", "--rdzv_backend", "c10d"])
+    rc = r.wait()
+    log = r.output()
+    assert rc == 0, log
+    assert "[test fault] rank 1 exits" in log and "Resumed from" in log and "step_8" in log
+    assert final_bytes(out) == references[2]
+    r.no_process_left()
+
+
+def test_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, runs):
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 2, ["--ddp_timeout", "5"], faults="step_delay=0.05,hang_at=1:6")
+    r.wait_until(lambda: "[test fault] rank 1 hangs" in r.output())
+    t0 = time.monotonic()
+    rc = r.wait(timeout=90)
+    took = time.monotonic() - t0
+    log = r.output()
+    assert rc != 0
+    assert "rank 1 died or hangs" in log, log
+    assert took < 5 + 10 + 20, f"{took:.0f} s"  # ddp_timeout + the monitored barrier + slack on a loaded machine
+    r.no_process_left()
