@@ -211,3 +211,20 @@ def test_the_other_process_reads_the_main_process_cache(parity_runs):
     # Tokenise once: the 2-process run found the 1-process run's cache (same fingerprints) and wrote nothing new.
     _, cache_files = parity_runs
     assert cache_files["1x16x1"] and cache_files["2x4x2"] == cache_files["1x16x1"]
+
+
+def test_a_hub_id_that_cannot_be_reached_is_a_clear_error(tmp_path):
+    # The real Hub code path, offline (HF_HUB_OFFLINE=1, as on CI): one message naming the id and the fix.
+    import subprocess
+    import sys
+
+    from text_fixtures import offline_env
+
+    code = ("from transformers import AutoModelForCausalLM\n"
+            "from accel_trainer.text import load_pretrained\n"
+            "load_pretrained(AutoModelForCausalLM, 'no-such-org/no-such-model')\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=offline_env(tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "MissingInputError: could not load the model from Hub id 'no-such-org/no-such-model'" in proc.stderr
+    assert "--model_name_or_path a folder written by `save_pretrained`" in proc.stderr
