@@ -1,0 +1,133 @@
+"""`evaluate` metric modules that load without the network (imported by `metrics.load_metric` on first use:
+importing `evaluate` pulls in transformers.pipelines, seconds that a process which never evaluates needn't pay).
+
+`evaluate.load("accuracy")` fetches a script from the Hub, which fails offline (and on our CI). These are
+`evaluate.Metric` subclasses with the same names, inputs and outputs as the Hub modules, computed with numpy
+(the Hub versions call scikit-learn, which we don't otherwise need). `load_metric(name)` returns ours for the
+names we have, and falls back to `evaluate.load` (a Hub id or a local metric folder) for anything else.
+All modules keep their state in memory: several processes on one machine must not share cache files.
+"""
+
+from __future__ import annotations
+
+import datasets
+import evaluate
+import numpy as np
+
+
+def _features(dtype: str) -> datasets.Features:
+    return datasets.Features({"predictions": datasets.Value(dtype), "references": datasets.Value(dtype)})
+
+
+def _info(description: str, dtype: str) -> evaluate.MetricInfo:
+    return evaluate.MetricInfo(description=description, citation="", inputs_description="", features=_features(dtype))
+
+
+class Accuracy(evaluate.Metric):
+    def _info(self):
+        return _info("Fraction of predictions equal to the references.", "int64")
+
+    def _compute(self, predictions, references, normalize=True, sample_weight=None):
+        hits = np.asarray(predictions) == np.asarray(references)
+        w = np.ones(len(hits)) if sample_weight is None else np.asarray(sample_weight, dtype=float)
+        return {"accuracy": float((hits * w).sum() / (w.sum() if normalize else 1.0))}
+
+
+class F1(evaluate.Metric):
+    def _info(self):
+        return _info("F1 score (binary by default; macro/micro/weighted averages for multi-class).", "int64")
+
+    def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
+        p, r = np.asarray(predictions), np.asarray(references)
+        if average == "binary":
+            return {"f1": _f1(p == pos_label, r == pos_label)}
+        classes = np.unique(np.concatenate([p, r])) if labels is None else np.asarray(labels)
+        if average == "micro":  # for single-label multi-class this equals accuracy
+            return {"f1": float((p == r).mean())}
+        scores = np.array([_f1(p == c, r == c) for c in classes])
+        if average == "macro":
+            return {"f1": float(scores.mean())}
+        if average == "weighted":
+            support = np.array([(r == c).sum() for c in classes], dtype=float)
+            return {"f1": float((scores * support).sum() / support.sum())}
+        if average is None:
+            return {"f1": scores.tolist()}
+        raise ValueError(f"f1: unknown average {average!r}")
+
+
+def _f1(pred: np.ndarray, ref: np.ndarray) -> float:
+    tp = float((pred & ref).sum())
+    denom = float(pred.sum() + ref.sum())
+    return 2 * tp / denom if denom else 0.0
+
+
+class MSE(evaluate.Metric):
+    def _info(self):
+        return _info("Mean squared error.", "float32")
+
+    def _compute(self, predictions, references, squared=True):
+        err = float(np.mean((np.asarray(predictions, dtype=np.float64) - np.asarray(references, dtype=np.float64)) ** 2))
+        return {"mse": err if squared else err ** 0.5}
+
+
+BUILTIN = {"accuracy": Accuracy, "f1": F1, "mse": MSE}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GLUE (issue 4, text recipes: recipes/glue.py). Same config names, inputs and output keys as the Hub's
+# `evaluate.load("glue", task)`: accuracy + F1 for mrpc/qqp, matthews_correlation for cola, pearson + spearmanr
+# for stsb (float predictions), accuracy for the rest.
+GLUE_TASKS = ("sst2", "mnli", "mnli_mismatched", "mnli_matched", "cola", "stsb", "mrpc", "qqp", "qnli", "rte",
+              "wnli", "hans")
+
+
+class Glue(evaluate.Metric):
+    def _info(self):
+        if self.config_name not in GLUE_TASKS:
+            raise KeyError(f"glue: config_name must be one of {', '.join(GLUE_TASKS)}, got {self.config_name!r}.")
+        return _info(f"GLUE metric for {self.config_name}.", "float32" if self.config_name == "stsb" else "int64")
+
+    def _compute(self, predictions, references):
+        p, r = np.asarray(predictions), np.asarray(references)
+        if self.config_name == "cola":
+            return {"matthews_correlation": _matthews(p, r)}
+        if self.config_name == "stsb":
+            return {"pearson": _pearson(p, r), "spearmanr": _pearson(_rank(p), _rank(r))}
+        out = {"accuracy": float((p == r).mean())}
+        if self.config_name in ("mrpc", "qqp"):
+            out["f1"] = _f1(p == 1, r == 1)
+        return out
+
+
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    x, y = x - x.mean(), y - y.mean()
+    denom = np.sqrt((x * x).sum() * (y * y).sum())
+    return float((x * y).sum() / denom) if denom else float("nan")
+
+
+def _rank(x: np.ndarray) -> np.ndarray:
+    """Ranks with ties given their average rank (what Spearman's correlation needs)."""
+    x = np.asarray(x, dtype=np.float64)
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=np.float64)
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return sums[inverse] / counts[inverse]
+
+
+def _matthews(p: np.ndarray, r: np.ndarray) -> float:
+    """Matthews correlation, multi-class form (equals the binary one for two classes); 0 when undefined."""
+    classes = np.unique(np.concatenate([p, r]))
+    c = np.array([[np.sum((r == a) & (p == b)) for b in classes] for a in classes], dtype=np.float64)
+    t, pk, s = c.sum(axis=1), c.sum(axis=0), c.sum()
+    correct = np.trace(c)
+    cov_ytyp = correct * s - (t * pk).sum()
+    cov_ypyp = s * s - (pk * pk).sum()
+    cov_ytyt = s * s - (t * t).sum()
+    denom = np.sqrt(cov_ytyt * cov_ypyp)
+    return float(cov_ytyp / denom) if denom else 0.0
+
+
+BUILTIN["glue"] = Glue
