@@ -3,6 +3,7 @@
     accel-trainer train recipes/x.py [training arguments]   run a recipe (same as python recipes/x.py ...)
     accel-trainer config ...                                 write an accelerate config (the wizard)
     accel-trainer check ...                                  preflight a config on this machine
+    accel-trainer launch ...                                 accelerate launch with bounded rendezvous + diagnosis
 """
 
 from __future__ import annotations

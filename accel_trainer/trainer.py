@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from . import faults
-from .accel import build_accelerator, launched_world_size
+from .accel import build_accelerator
 from .args import TrainingArguments
 from .errors import UserError
 from .recipe import Recipe, load_recipe
@@ -154,16 +154,10 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------- set-up
     def _check_world(self):
-        launched = launched_world_size()
-        if launched != self.accelerator.num_processes:
-            raise UserError(
-                f"The launcher started a world of {launched} processes (WORLD_SIZE) but this process joined a world "
-                f"of {self.accelerator.num_processes}. Each process is training alone. On a machine without a GPU "
-                "launch with a multi-process config (accelerate_configs/cpu_2proc.yaml) rather than --cpu.")
-        try:  # the full topology check (machines, processes per machine) lives in topology.py
-            from .topology import check_world
-        except ImportError:
-            return
+        # The world this process joined must be the one the launcher/config describe (topology.py): it catches
+        # every process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
+        from .topology import check_world
+
         check_world(self.accelerator)
 
     def _check_output_dir(self) -> str | None:
