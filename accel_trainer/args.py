@@ -32,7 +32,9 @@ class TrainingArguments:
         default=False, metadata={"help": "Start over in an output_dir that holds a previous run (its checkpoints "
                                          "and logs are deleted). Without it such a folder is refused."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint folder, or 'latest' for the newest in output_dir/checkpoints."})
+        default=None, metadata={"help": "A checkpoint folder; 'latest': the newest good one in output_dir/checkpoints "
+                                        "(an error if there is none); 'auto': the same, or a new run when there is "
+                                        "none. Elastic restarts always resume (docs/fault-tolerance.md)."})
 
     # --- batch and optimisation ----------------------------------------------------------------------------------
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per micro-batch per process."})
