@@ -156,7 +156,7 @@ def describe_peer_failure(accelerator, group, error: BaseException, step: int, t
                 culprit = "rank 0 (or another rank)"
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     return PeerFailure(
-        f"rank {rank}: a collective failed at step {step} ({first}): {culprit} died or hangs "
+        f"rank {rank}: a collective failed after step {step} ({first}): {culprit} died or hangs "
         f"(no answer within --ddp_timeout={timeout_s} s). The whole job stops; resume with "
         "--resume_from_checkpoint latest.")
 
