@@ -244,3 +244,17 @@ def test_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, runs):
     assert "rank 1 died or hangs" in log, log
     assert took < 5 + 10 + 20, f"{took:.0f} s"  # ddp_timeout + the monitored barrier + slack on a loaded machine
     r.no_process_left()
+
+
+def test_dead_rank_ends_the_job_naming_it(tmp_path, runs):
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 2, faults="step_delay=0.05,exit_at=1:6")
+    r.wait_until(lambda: "[test fault] rank 1 exits" in r.output())
+    t0 = time.monotonic()
+    rc = r.wait(timeout=90)
+    took = time.monotonic() - t0
+    log = r.output()
+    assert rc != 0
+    assert "rank      : 1 (local_rank: 1)" in log and "exitcode  : 3" in log, log  # torchrun's report
+    assert took < 30 + 15, f"{took:.0f} s"  # torchrun's SIGTERM grace for the survivor + slack
+    r.no_process_left()
