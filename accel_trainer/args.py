@@ -68,6 +68,13 @@ class TrainingArguments:
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every N updates; 0 = at the end of each epoch."})
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every N updates; 0 = no checkpoints."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
+    metric_for_best_model: str | None = field(
+        default=None, metadata={"help": "Keep the weights of the best evaluation by this metric (eval_loss, "
+                                        "eval_mse, ...) in output_dir/best/, apart from checkpoints and "
+                                        "save_total_limit."})
+    greater_is_better: bool | None = field(
+        default=None, metadata={"help": "A larger metric_for_best_model is better. Default: False for names "
+                                        "ending in 'loss', else True."})
     report_to: str = field(
         default="none", metadata={"help": "Trackers for accelerate's log_with, comma-separated (tensorboard, "
                                           "wandb, ...), 'all', or 'none'. metrics.jsonl is always written."})

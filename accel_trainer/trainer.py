@@ -14,6 +14,7 @@ and no accumulation the mean loss is already that, and we skip the bookkeeping (
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -39,7 +40,7 @@ from .reporting import Reporter, library_versions, topology
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
 # Accelerate's per-step wrappers (which cost ~0.6 ms/step on a small model, mostly a package lookup).
 _PLAIN = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
-PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors")
+PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best")
 
 
 class NonFiniteLossError(UserError):
@@ -135,6 +136,7 @@ class Trainer:
         self.epoch = 0
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
         self.skipped_steps = 0  # fp16 overflow skips + non-finite skips
+        self.best_metric = self.best_step = None  # --metric_for_best_model: the best evaluation so far
         self._log_window: list = []  # (loss tensor, n_items) per update since the last log
         self._train_iter = None
         # Faults (faults.py): preemption signals set a flag that fit() checks at update boundaries; with several
@@ -440,12 +442,39 @@ class Trainer:
             results.update(self.recipe.on_evaluate(self, results, final) or {})
         if results:
             self.reporter.log(results, self.global_step, self._epoch_float())
+            if self.args.metric_for_best_model:
+                self._keep_if_best(results)
         return results
+
+    def _keep_if_best(self, results: dict):
+        """output_dir/best/: model.safetensors (the evaluated weights) and best.json of the best evaluation so far,
+        kept apart from checkpoints (save_total_limit never deletes it). The best value is part of the checkpoint
+        state, so a resumed run keeps comparing against it."""
+        name = self.args.metric_for_best_model
+        key = name if name in results else f"eval_{name}"
+        if key not in results:
+            raise UserError(f"--metric_for_best_model {name}: the evaluation gives no such metric; it gives "
+                            f"{', '.join(sorted(results))}.")
+        value = float(results[key])
+        greater = self.args.greater_is_better if self.args.greater_is_better is not None else not key.endswith("loss")
+        if not math.isfinite(value) or (self.best_metric is not None and not (
+                value > self.best_metric if greater else value < self.best_metric)):
+            return
+        self.best_metric, self.best_step = value, self.global_step
+        best = os.path.join(self.args.output_dir, "best")
+        if self.accelerator.is_main_process:
+            os.makedirs(best, exist_ok=True)
+        self.save_model(os.path.join(best, "model.safetensors"))
+        if self.accelerator.is_main_process:
+            with open(os.path.join(best, "best.json.tmp"), "w") as f:
+                json.dump({"step": self.global_step, "metric": key, "value": value}, f)
+            os.replace(os.path.join(best, "best.json.tmp"), os.path.join(best, "best.json"))
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state(self) -> dict:
         return {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "skipped_steps": self.skipped_steps, "num_processes": self.accelerator.num_processes,
+                "best_metric": self.best_metric, "best_step": self.best_step,
                 "per_device_train_batch_size": self.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps, "seed": self.args.seed}
 
@@ -494,6 +523,7 @@ class Trainer:
                 self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batch_in_epoch, self.skipped_steps = state["batch_in_epoch"], state["skipped_steps"]
+        self.best_metric, self.best_step = state.get("best_metric"), state.get("best_step")
         self.reporter.print(f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, "
                             f"batch {self.batch_in_epoch}).")
 

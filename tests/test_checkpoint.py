@@ -196,3 +196,23 @@ def test_nan_skip_skips_and_counts(tmp_path):
     train = [e for e in events if "loss" in e]
     assert [e["skipped_steps"] for e in train] == [0, 1, 1]
     assert all(torch.isfinite(v).all() for v in load_file(out / "model.safetensors").values())
+
+
+def test_best_model_is_kept_apart_from_the_checkpoint_limit(tmp_path):
+    # A small noisy train set and a large constant learning rate: the eval loss is best at step 20, not at the end.
+    kw = dict(save_steps=4, eval_steps=4, save_total_limit=1, lr_scheduler_type="constant", learning_rate=0.2)
+    ra = regression.Args(num_train_samples=32, noise=0.5)
+    out = tmp_path / "run"
+    make(out, regression, ra, max_steps=24, metric_for_best_model="eval_loss", **kw).fit()
+    evals = [json.loads(line) for line in open(out / "metrics.jsonl") if "eval_loss" in line]
+    best = min(evals, key=lambda e: e["eval_loss"])
+    meta = json.load(open(out / "best" / "best.json"))
+    assert (meta["step"], meta["metric"], meta["value"]) == (best["step"], "eval_loss", best["eval_loss"])
+    assert best["step"] < 24
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_24"]  # the limit applies to checkpoints only
+    # best/model.safetensors holds the weights evaluated at that step: a run stopped there ends with the same bytes
+    again = tmp_path / "again"
+    make(again, regression, ra, max_steps=best["step"], **kw).fit()
+    assert open(again / "model.safetensors", "rb").read() == open(out / "best" / "model.safetensors", "rb").read()
+    with pytest.raises(Exception, match="metric_for_best_model accuracy: the evaluation gives no such metric"):
+        make(tmp_path / "bad", max_steps=4, eval_steps=2, metric_for_best_model="accuracy").fit()
