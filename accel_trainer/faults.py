@@ -87,11 +87,37 @@ class PreemptionHandler:
                 pass
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        # After a preemption checkpoint the process is on its way out with EXIT_PREEMPTED: further signals (torchrun
+        # SIGTERMs the other workers as soon as the first one exits) must not turn that exit into a -15.
+        exiting = exc_type is not None and issubclass(exc_type, Preempted)
         for sig, prev in self._previous.items():
-            signal.signal(sig, prev)
+            signal.signal(sig, signal.SIG_IGN if exiting else prev)
         self._previous = {}
         return False
+
+
+class Vote:
+    """The all-reduced count of ranks that got a preemption signal, copied to the host without waiting for the
+    device; `agreed()` is called one update later, when the copy has normally long finished (on a GPU it waits for
+    the previous update's all-reduce only, never for the current update's work)."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, count):
+        if count.is_cuda:
+            import torch
+
+            self.host = count.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = count, None
+
+    def agreed(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host > 0)
 
 
 # ----------------------------------------------------------------------------------------------- dead or hung peer

@@ -314,7 +314,7 @@ class Trainer:
                                   self._vote_values[self._preemption.requested]])  # 1 on a rank that got SIGTERM
             if acc.num_processes > 1:
                 totals = acc.reduce(totals, reduction="sum")
-                self._stop_vote = totals[2]  # the ranks' vote rides on this all-reduce: no extra collective
+                self._stop_vote = faults.Vote(totals[2])  # the preemption vote rides on this all-reduce
             loss_sum, n_sum = totals[0], totals[1]
             grads = [p.grad for p in self._params if p.grad is not None]
             # DDP averaged the per-rank sums over ranks; the mean over all N items of the global batch is that
@@ -494,7 +494,7 @@ class Trainer:
         if self.accelerator.num_processes == 1:
             return self._preemption.requested
         vote, self._prev_vote = self._prev_vote, self._stop_vote
-        return vote is not None and bool(vote > 0)
+        return vote is not None and vote.agreed()
 
     def _preempt(self, progress=None):
         """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
