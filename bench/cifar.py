@@ -17,9 +17,12 @@ import time
 
 PROCESS_START = time.perf_counter()
 
+import os  # noqa: E402
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as recipes/cifar.py does, before torch loads OpenMP
+
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
