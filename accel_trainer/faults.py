@@ -4,7 +4,7 @@ Preemption: while `fit()` runs, SIGTERM and SIGUSR1 (what SLURM, Kubernetes and 
 a flag. At the next update boundary every rank checkpoints and the process exits with `EXIT_PREEMPTED` (75,
 EX_TEMPFAIL: "try again later"). With several processes the ranks agree through the all-reduce the update does
 anyway (one more number in it, no extra collective): a signal that reaches one rank stops them all at the same
-step. A second signal of the same kind ends the process at once (the default action).
+step. A second signal ends the process at once (the default action).
 
 Elastic restarts: under `accelerate launch --max_restarts N` (torchrun), a restarted worker group sees
 TORCHELASTIC_RESTART_COUNT > 0 and resumes from the newest good checkpoint by itself (`auto`).
@@ -73,10 +73,13 @@ class PreemptionHandler:
             os.kill(os.getpid(), signum)
             return
         self.requested, self.signal_name = True, signal.Signals(signum).name
-        print(f"[rank {os.environ.get('RANK', '0')}] {self.signal_name} received: checkpointing at the next update "
-              "boundary, then exiting (send it again to exit at once).", file=sys.stderr, flush=True)
+        # os.write, not print: the handler may run while the main code is inside a write to stderr (tqdm), and a
+        # buffered write from here would raise "reentrant call" at that arbitrary point.
+        os.write(2, f"[rank {os.environ.get('RANK', '0')}] {self.signal_name} received: checkpointing at the next "
+                    "update boundary, then exiting (send a signal again to exit at once).\n".encode())
 
     def __enter__(self):
+        self.requested, self.signal_name = False, None
         for name in PREEMPT_SIGNALS:
             sig = getattr(signal, name, None)
             if sig is None:
