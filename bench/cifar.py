@@ -122,9 +122,9 @@ def main():
         r = one_run(recipe, recipe_argv, seed, target, own.out)
         runs.append(r)
         if r["is_main"]:
-            tta = f"{r['tta_accuracy']:.4f}" if r["tta_accuracy"] is not None else "n/a"
-            print(f"seed {seed}: acc {r['accuracy']:.4f}  tta {tta}  train {r['train_s']:.2f}s  "
-                  f"to {target:.2%}: {'not reached' if r['time_to_target_s'] is None else f'{r[\'time_to_target_s\']:.2f}s'}  "
+            tta = "n/a" if r["tta_accuracy"] is None else f"{r['tta_accuracy']:.4f}"
+            hit = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}s"
+            print(f"seed {seed}: acc {r['accuracy']:.4f}  tta {tta}  train {r['train_s']:.2f}s  to {target:.2%}: {hit}  "
                   f"{r['images_per_s']:.0f} img/s  wall {r['wall_s']:.1f}s  peak {r['peak_memory_mb']:.0f} MB", flush=True)
             print("  curve (train_s, epoch, accuracy): " + ", ".join(f"({t}, {e}, {a:.4f})" for t, e, a in r["curve"]
                                                                       if a is not None), flush=True)
