@@ -398,3 +398,20 @@ def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
     assert proc.returncode != 0
     assert "uoft-cs/cifar10" in proc.stderr and "cifar-10-batches-py" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_prints_accuracy_time_and_memory(tiny, tmp_path):
+    args = tiny_run_args(tiny, "unused")
+    args = args[:args.index("--output_dir")] + args[args.index("--output_dir") + 2:]   # the bench sets it per seed
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "cifar.py"), "--seeds", "2", "--target", "0.05",
+                           "--out", str(tmp_path / "bench")] + [str(a) for a in args] + ["--num_train_epochs", "2"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for line in ("seed 0: acc", "seed 1: acc", "time to 5.00%", "images/s", "peak memory MB", "process_s"):
+        assert line in proc.stdout, proc.stdout
+    with open(tmp_path / "bench" / "summary.json") as f:
+        summary = json.load(f)
+    assert len(summary["runs"]) == 2 and all(r["train_s"] > 0 and r["time_to_target_s"] is not None
+                                             for r in summary["runs"])
