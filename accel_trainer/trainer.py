@@ -96,9 +96,13 @@ class Trainer:
         set_seed(args.seed)
         model = self.recipe.build_model(recipe_args, args)
         if args.gradient_checkpointing:
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise UserError("--gradient_checkpointing needs a transformers model (gradient_checkpointing_enable).")
-            model.gradient_checkpointing_enable()
+            # transformers >= 5 names it activation_checkpointing_enable (the old name warns); 4.x has only the old.
+            enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+                model, "gradient_checkpointing_enable", None)
+            if enable is None:
+                raise UserError("--gradient_checkpointing needs a transformers model (activation_checkpointing_enable)"
+                                "; for another model, wrap its blocks in torch.utils.checkpoint in build_model.")
+            enable()
         if args.sync_batchnorm and acc.num_processes > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         data = self.recipe.build_data(recipe_args, args, acc)

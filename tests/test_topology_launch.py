@@ -119,6 +119,10 @@ FAIL_ONCE = textwrap.dedent("""
     total = acc.reduce(torch.ones(1), "sum").item()
     restarts = os.environ["TORCHELASTIC_RESTART_COUNT"]
     print(f"SURVIVED world={acc.num_processes} sum={total} restarts_used_here={restarts}", flush=True)
+    # Leave together and close the process group, as the Trainer does (end_training): a worker that exits while
+    # its peer still holds the gloo pair can be aborted (SIGABRT) at exit, failing a run that had succeeded.
+    acc.wait_for_everyone()
+    acc.end_training()
 """)
 
 
