@@ -288,7 +288,6 @@ def on_evaluate(trainer, metrics, final):
     args = trainer.recipe_args or Args()
     if not final or args.tta_level == 0 or trainer.eval_loader is None:
         return None
-    acc = trainer.accelerator
     model = trainer.ema.module if trainer.ema is not None else trainer.model
     was_training = model.training
     model.eval()
@@ -297,7 +296,7 @@ def on_evaluate(trainer, metrics, final):
         for batch in trainer.eval_loader:
             out = {"predictions": tta_logits(model, batch["images"], args.tta_level).argmax(1),
                    "references": batch["labels"]}
-            out = acc.gather(out) if acc.num_processes > 1 else out
+            out = trainer.gather_eval(out)  # every test image once, also when shards differ by one sample
             metric.add_batch(predictions=out["predictions"].cpu(), references=out["references"].cpu())
     model.train(was_training)
     return {"eval_tta_accuracy": metric.compute()["accuracy"]}
