@@ -4,7 +4,6 @@ import json
 import os
 import sys
 
-import pytest
 import torch
 from safetensors.torch import load_file, load_model
 
