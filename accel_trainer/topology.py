@@ -321,12 +321,6 @@ def port_free(port: int, host: str = "") -> tuple[bool, str]:
     return True, f"port {port} is free"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def reachable(host: str, port: int, timeout_s: float = 5.0) -> tuple[bool, str]:
     """Is `host` reachable on `port` within `timeout_s`? A refused connection still proves the host is up."""
     try:

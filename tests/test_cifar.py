@@ -8,7 +8,6 @@ import io
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import cifar  # noqa: E402
 import cifar_data  # noqa: E402
 from cifar_data import DeviceLoader, augment_gather, load_cifar10  # noqa: E402
+from helpers import launch_cmd  # noqa: E402
 
 N_TRAIN, N_TEST = 240, 60
 
@@ -331,20 +331,10 @@ def test_lookahead_pulls_weights_to_their_average():
 # End to end, as users run it
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_recipe(args, nproc=1, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
-    return subprocess.run(launcher + [os.path.join(ROOT, "recipes", "cifar.py")] + [str(a) for a in args],
+    return subprocess.run(launch_cmd(nproc) + [os.path.join(ROOT, "recipes", "cifar.py")] + [str(a) for a in args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
+
+from helpers import launch_cmd
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +31,14 @@ def sentences(n: int, seed: int = 0, min_len: int = 2, max_len: int = 14) -> lis
 
 # ----------------------------------------------------------------------------------------------- tokenizers
 def _train_tokenizer(texts, kind: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     if kind == "bert":
@@ -156,12 +164,6 @@ def make_text_files(folder: str, n_train: int = 200, n_eval: int = 20, seed: int
 
 
 # -------------------------------------------------------------------------------------------------- running
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def offline_env(tmp_path) -> dict:
     """Environment for recipe subprocesses: no Hub access (fail fast instead of retrying for a minute),
     dataset cache inside the test's temp dir, one thread per process on this small machine."""
@@ -177,16 +179,7 @@ def offline_env(tmp_path) -> dict:
 def run_recipe(recipe: str, args: list[str], tmp_path, nproc: int = 1, timeout: int = 240):
     """`python recipes/<recipe>.py ARGS`, or with nproc > 1 a real `accelerate launch` of nproc CPU processes."""
     script = os.path.join(REPO, "recipes", f"{recipe}.py")
-    if nproc == 1:
-        cmd = [sys.executable, script, *args]
-    else:
-        # `--cpu --num_processes 2` would silently run one process; --multi_gpu + no CUDA gives a gloo group
-        cmd = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(free_port()), script, *args,
-        ]
-    return subprocess.run(cmd, env=offline_env(tmp_path), capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(launch_cmd(nproc) + [script, *args], env=offline_env(tmp_path), capture_output=True, text=True, timeout=timeout,
                           cwd=str(tmp_path))
 
 
