@@ -174,8 +174,10 @@ def _read_args_file(path: str) -> dict[str, Any]:
 
 
 def parse_args(recipe_args_cls: type | None = None, argv: list[str] | None = None,
-               defaults: dict[str, Any] | None = None):
-    """Parse the command line into (TrainingArguments, recipe args or None).
+               defaults: dict[str, Any] | None = None, return_given: bool = False):
+    """Parse the command line into (TrainingArguments, recipe args or None), and with `return_given` also the
+    set of field names the user gave (by flag or in the arguments file), which a recipe's `configure` needs to
+    tell a value the user chose from a default it may replace (e.g. a preset's epochs).
 
     `argv` may start with a .yaml/.yml/.json file of arguments; flags after it override the file.
     `defaults` (a recipe's own choices, e.g. its learning rate) replace our defaults and are overridden by both.
@@ -190,10 +192,14 @@ def parse_args(recipe_args_cls: type | None = None, argv: list[str] | None = Non
         if not action.help:  # argparse prints no default for a field without help text: name its type
             action.help = getattr(action.type, "__name__", "value") if action.type else "flag"
     known = {a.dest for a in parser._actions}
+    dest_of = {opt: a.dest for a in parser._actions for opt in a.option_strings}
+    given = {dest_of[t.split("=", 1)[0]] for t in argv if t.split("=", 1)[0] in dest_of}
     try:
         preset = dict(defaults or {})
         if argv and argv[0].endswith((".yaml", ".yml", ".json")):
-            preset.update(_read_args_file(argv.pop(0)))
+            from_file = _read_args_file(argv.pop(0))
+            given |= set(from_file)
+            preset.update(from_file)
         unknown = sorted(set(preset) - known)
         if unknown:
             raise ArgumentError(f"unknown argument(s) {', '.join(unknown)} in the arguments file or recipe defaults.")
@@ -202,5 +208,5 @@ def parse_args(recipe_args_cls: type | None = None, argv: list[str] | None = Non
         parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
     except (ArgumentError, ValueError) as e:
         parser.error(str(e))
-    targs = parsed[0]
-    return targs, (parsed[1] if recipe_args_cls is not None else None)
+    result = (parsed[0], parsed[1] if recipe_args_cls is not None else None)
+    return (*result, given) if return_given else result

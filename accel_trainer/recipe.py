@@ -28,7 +28,7 @@ class Recipe:
     build_metrics: Callable | None = None  # (args) -> {name: evaluate.EvaluationModule}
     on_evaluate: Callable | None = None  # (trainer, metrics, final) -> dict | None: extra metrics
     defaults: dict | None = None  # the recipe's own defaults for TrainingArguments fields
-    configure: Callable | None = None  # (args, targs) -> None: adjust arguments after parsing (e.g. presets)
+    configure: Callable | None = None  # (args, targs, given) -> None: adjust arguments after parsing (presets)
     name: str = "recipe"
 
     @classmethod

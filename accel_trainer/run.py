@@ -20,9 +20,9 @@ USER_ERRORS = (UserError, FileNotFoundError, FileExistsError, NotADirectoryError
 
 def run(recipe, argv: list[str] | None = None) -> dict:
     recipe = load_recipe(recipe)
-    targs, rargs = parse_args(recipe.Args, argv, defaults=recipe.defaults)
+    targs, rargs, given = parse_args(recipe.Args, argv, defaults=recipe.defaults, return_given=True)
     if recipe.configure:
-        recipe.configure(rargs, targs)
+        recipe.configure(rargs, targs, given)
     try:
         return Trainer(recipe, targs, rargs).fit()
     except USER_ERRORS as e:

@@ -113,13 +113,15 @@ class Args:
             raise ValueError(f"--tta_level {self.tta_level}: use 0, 1 or 2.")
 
 
-def configure(args, targs):
-    """Fill what the preset decides and the user left unset; derive per-device batches from global ones."""
+def configure(args, targs, given=None):
+    """Fill what the preset decides and the user left unset; derive per-device batches from global ones.
+    `given`: the fields the user set (from `run()`); None in a notebook, where an unchanged default counts as unset."""
     preset = PRESETS[args.preset]
     for key in ("widths", "batch_size", "eval_batch_size"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    if targs.num_train_epochs == defaults["num_train_epochs"]:  # not given on the command line
+    if ("num_train_epochs" not in given) if given is not None else (
+            targs.num_train_epochs == defaults["num_train_epochs"]):
         targs.num_train_epochs = preset["num_train_epochs"]
     if targs.mixed_precision is None and not os.environ.get("ACCELERATE_MIXED_PRECISION"):
         # bf16 where it is fast: a GPU, or a CPU with AVX512-BF16 / AMX (the "small" preset opts in).

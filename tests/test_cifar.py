@@ -294,6 +294,12 @@ def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
     cifar.configure(args, targs)
     assert (args.widths, targs.num_train_epochs, targs.per_device_train_batch_size) == ("8,8,8", 3, 32)
     assert targs.mixed_precision == "no"
+    # A flag equal to the recipe's default is still the user's choice: the preset must not replace it.
+    argv = ["--preset", "small", "--num_train_epochs", str(cifar.defaults["num_train_epochs"])]
+    targs, args, given = parse_args(cifar.Args, argv, defaults=cifar.defaults, return_given=True)
+    assert "num_train_epochs" in given and "learning_rate" not in given
+    cifar.configure(args, targs, given)
+    assert targs.num_train_epochs == cifar.defaults["num_train_epochs"] != small["num_train_epochs"]
     targs, args = parse_args(cifar.Args, ["--batch_size", "1001"], defaults=cifar.defaults)
     with pytest.raises(ValueError, match="split evenly"):
         cifar.configure(args, targs)
