@@ -37,12 +37,17 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
     # On a machine without CUDA, Accelerate only forms a multi-process (gloo) world when told cpu=True;
     # otherwise every launched process silently becomes its own world of size 1 (measured with accelerate 1.15).
     cpu = args.use_cpu or (launched_world_size() > 1 and not torch.cuda.is_available())
-    if args.mixed_precision == "fp8" and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-        raise UserError("--mixed_precision fp8 needs a GPU with compute capability >= 8.9 (Ada, Hopper or newer) "
-                           "and an fp8 backend (transformer-engine, torchao or MS-AMP); use bf16 here.")
+    if args.mixed_precision == "fp8" and not (
+        torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    ):
+        raise UserError(
+            "--mixed_precision fp8 needs a GPU with compute capability >= 8.9 (Ada, Hopper or newer) "
+            "and an fp8 backend (transformer-engine, torchao or MS-AMP); use bf16 here."
+        )
 
-    ddp = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters,
-                                        comm_hook=_COMM_HOOKS[args.ddp_comm_hook])
+    ddp = DistributedDataParallelKwargs(
+        find_unused_parameters=args.ddp_find_unused_parameters, comm_hook=_COMM_HOOKS[args.ddp_comm_hook]
+    )
     if "power_sgd" in args.ddp_comm_hook:
         ddp.comm_state_option = {"matrix_approximation_rank": args.powersgd_rank}
     handlers = [

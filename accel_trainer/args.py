@@ -26,22 +26,38 @@ class ArgumentError(ValueError):
 class TrainingArguments:
     # --- where things go -----------------------------------------------------------------------------------------
     output_dir: str | None = field(
-        default=None, metadata={"help": "Folder for metrics.jsonl, run_config.json, checkpoints/, model.safetensors. "
-                                        "Default: output/<recipe name>."})
+        default=None,
+        metadata={
+            "help": "Folder for metrics.jsonl, run_config.json, checkpoints/, model.safetensors. "
+            "Default: output/<recipe name>."
+        },
+    )
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Start over in an output_dir that holds a previous run (its checkpoints "
-                                         "and logs are deleted). Without it such a folder is refused."})
+        default=False,
+        metadata={
+            "help": "Start over in an output_dir that holds a previous run (its checkpoints "
+            "and logs are deleted). Without it such a folder is refused."
+        },
+    )
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint folder; 'latest': the newest good one in output_dir/checkpoints "
-                                        "(an error if there is none); 'auto': the same, or a new run when there is "
-                                        "none. Elastic restarts always resume (docs/fault-tolerance.md)."})
+        default=None,
+        metadata={
+            "help": "A checkpoint folder; 'latest': the newest good one in output_dir/checkpoints "
+            "(an error if there is none); 'auto': the same, or a new run when there is "
+            "none. Elastic restarts always resume (docs/fault-tolerance.md)."
+        },
+    )
 
     # --- batch and optimisation ----------------------------------------------------------------------------------
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per micro-batch per process."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per eval batch per process."})
     gradient_accumulation_steps: int = field(
-        default=1, metadata={"help": "Micro-batches per optimizer update. Global batch = per_device_train_batch_size"
-                                     " x gradient_accumulation_steps x number of processes."})
+        default=1,
+        metadata={
+            "help": "Micro-batches per optimizer update. Global batch = per_device_train_batch_size"
+            " x gradient_accumulation_steps x number of processes."
+        },
+    )
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate of the default AdamW."})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay (not on biases/norms)."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
@@ -51,8 +67,11 @@ class TrainingArguments:
     num_train_epochs: float = field(default=3.0, metadata={"help": "Epochs to train (fractions allowed)."})
     max_steps: int = field(default=-1, metadata={"help": "Optimizer updates to train; > 0 overrides epochs."})
     lr_scheduler_type: str = field(
-        default="linear", metadata={"help": "A transformers scheduler name: linear, cosine, constant, "
-                                            "constant_with_warmup, polynomial, ..."})
+        default="linear",
+        metadata={
+            "help": "A transformers scheduler name: linear, cosine, constant, constant_with_warmup, polynomial, ..."
+        },
+    )
     warmup_ratio: float = field(default=0.0, metadata={"help": "Warm-up as a fraction of all updates."})
     warmup_steps: int = field(default=0, metadata={"help": "Warm-up in updates; > 0 overrides warmup_ratio."})
     seed: int = field(default=42, metadata={"help": "Seed for weights init, data order and augmentation."})
@@ -69,42 +88,64 @@ class TrainingArguments:
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every N updates; 0 = no checkpoints."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     metric_for_best_model: str | None = field(
-        default=None, metadata={"help": "Keep the weights of the best evaluation by this metric (eval_loss, "
-                                        "eval_mse, ...) in output_dir/best/, apart from checkpoints and "
-                                        "save_total_limit."})
+        default=None,
+        metadata={
+            "help": "Keep the weights of the best evaluation by this metric (eval_loss, "
+            "eval_mse, ...) in output_dir/best/, apart from checkpoints and "
+            "save_total_limit."
+        },
+    )
     greater_is_better: bool | None = field(
-        default=None, metadata={"help": "A larger metric_for_best_model is better. Default: False for names "
-                                        "ending in 'loss', else True."})
+        default=None,
+        metadata={
+            "help": "A larger metric_for_best_model is better. Default: False for names ending in 'loss', else True."
+        },
+    )
     report_to: str = field(
-        default="none", metadata={"help": "Trackers for accelerate's log_with, comma-separated (tensorboard, "
-                                          "wandb, ...), 'all', or 'none'. metrics.jsonl is always written."})
+        default="none",
+        metadata={
+            "help": "Trackers for accelerate's log_with, comma-separated (tensorboard, "
+            "wandb, ...), 'all', or 'none'. metrics.jsonl is always written."
+        },
+    )
     run_name: str | None = field(default=None, metadata={"help": "Project/run name given to the trackers."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
 
     # --- hardware and numerics -----------------------------------------------------------------------------------
     mixed_precision: str | None = field(
-        default=None, metadata={"help": "no, fp16, bf16 or fp8. Unset: what the accelerate config says."})
+        default=None, metadata={"help": "no, fp16, bf16 or fp8. Unset: what the accelerate config says."}
+    )
     use_cpu: bool = field(default=False, metadata={"help": "Train on the CPU even if a GPU is present."})
     torch_compile: bool = field(default=False, metadata={"help": "torch.compile the model."})
     gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Activation checkpointing (transformers models)."})
+        default=False, metadata={"help": "Activation checkpointing (transformers models)."}
+    )
     sync_batchnorm: bool = field(default=False, metadata={"help": "Convert BatchNorm to SyncBatchNorm (multi-GPU)."})
     ema_decay: float = field(
-        default=0.0, metadata={"help": "Keep an EMA of the weights with this decay per update (e.g. 0.999) and "
-                                       "evaluate and save it; 0 = off."})
+        default=0.0,
+        metadata={
+            "help": "Keep an EMA of the weights with this decay per update (e.g. 0.999) and "
+            "evaluate and save it; 0 = off."
+        },
+    )
     nan_policy: str = field(
-        default="stop", metadata={"help": "A non-finite loss: 'stop' the run naming the step, or 'skip' the update "
-                                          "and count it."})
+        default="stop",
+        metadata={"help": "A non-finite loss: 'stop' the run naming the step, or 'skip' the update and count it."},
+    )
 
     # --- distributed ---------------------------------------------------------------------------------------------
     ddp_find_unused_parameters: bool = field(default=False, metadata={"help": "DDP find_unused_parameters."})
     ddp_comm_hook: str = field(
-        default="none", metadata={"help": "DDP gradient communication hook: none, fp16, bf16, power_sgd, "
-                                          "batched_power_sgd."})
+        default="none",
+        metadata={"help": "DDP gradient communication hook: none, fp16, bf16, power_sgd, batched_power_sgd."},
+    )
     powersgd_rank: int = field(default=1, metadata={"help": "matrix_approximation_rank for power_sgd hooks."})
     ddp_timeout: int = field(
-        default=1800, metadata={"help": "Seconds any collective (and the process-group set-up) may wait for a peer"
-                                        " before the run fails."})
+        default=1800,
+        metadata={
+            "help": "Seconds any collective (and the process-group set-up) may wait for a peer before the run fails."
+        },
+    )
 
     def __post_init__(self):
         def bad(flag, msg):
@@ -121,8 +162,14 @@ class TrainingArguments:
         names = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in names:
             bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not one of {', '.join(names)}.")
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "ddp_timeout", "powersgd_rank"):
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+            "ddp_timeout",
+            "powersgd_rank",
+        ):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}.")
         for name in ("eval_steps", "save_steps", "dataloader_num_workers", "warmup_steps"):
@@ -173,8 +220,12 @@ def _read_args_file(path: str) -> dict[str, Any]:
     return data
 
 
-def parse_args(recipe_args_cls: type | None = None, argv: list[str] | None = None,
-               defaults: dict[str, Any] | None = None, return_given: bool = False):
+def parse_args(
+    recipe_args_cls: type | None = None,
+    argv: list[str] | None = None,
+    defaults: dict[str, Any] | None = None,
+    return_given: bool = False,
+):
     """Parse the command line into (TrainingArguments, recipe args or None), and with `return_given` also the
     set of field names the user gave (by flag or in the arguments file), which a recipe's `configure` needs to
     tell a value the user chose from a default it may replace (e.g. a preset's epochs).
@@ -187,7 +238,9 @@ def parse_args(recipe_args_cls: type | None = None, argv: list[str] | None = Non
 
     argv = list(sys.argv[1:] if argv is None else argv)
     classes = [TrainingArguments] + ([recipe_args_cls] if recipe_args_cls is not None else [])
-    parser = HfArgumentParser(classes, allow_abbrev=False, formatter_class=_DefaultsHelpFormatter)  # --learning_rat must be an error, not a prefix
+    parser = HfArgumentParser(
+        classes, allow_abbrev=False, formatter_class=_DefaultsHelpFormatter
+    )  # --learning_rat must be an error, not a prefix
     for action in parser._actions:
         if not action.help:  # argparse prints no default for a field without help text: name its type
             action.help = getattr(action.type, "__name__", "value") if action.type else "flag"

@@ -82,9 +82,15 @@ def _files(folder: str) -> list[str]:
 
 def write_manifest(folder: str, state: dict) -> dict:
     """Hash every file of a finished checkpoint folder and write manifest.json (the last file written)."""
-    manifest = {"format": MANIFEST_FORMAT, "step": state["global_step"], "epoch": state["epoch"],
-                "batch_in_epoch": state["batch_in_epoch"], "num_processes": state["num_processes"],
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": {}}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": state["global_step"],
+        "epoch": state["epoch"],
+        "batch_in_epoch": state["batch_in_epoch"],
+        "num_processes": state["num_processes"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": {},
+    }
     for rel in _files(folder):
         size, digest = _hash_file(os.path.join(folder, rel))
         manifest["files"][rel] = {"size": size, "sha256": digest}
@@ -98,8 +104,9 @@ def write_manifest(folder: str, state: dict) -> dict:
     return manifest
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, ema=None,
-                    save_total_limit: int | None = None, hooks=None) -> str:
+def save_checkpoint(
+    accelerator, output_dir: str, step: int, state: dict, ema=None, save_total_limit: int | None = None, hooks=None
+) -> str:
     """Every process calls this (each saves its own RNG state). Returns the final folder."""
     root = checkpoints_root(output_dir)
     final = os.path.join(root, f"step_{step}")
@@ -139,8 +146,10 @@ def read_state(path: str) -> dict:
 def read_manifest(path: str) -> dict:
     file = os.path.join(path, MANIFEST_FILE)
     if not os.path.isfile(file):
-        raise CheckpointError(f"Checkpoint {path}: no {MANIFEST_FILE}, so it is not a complete checkpoint written "
-                              "by accel-trainer (or was written by an older version); it cannot be verified.")
+        raise CheckpointError(
+            f"Checkpoint {path}: no {MANIFEST_FILE}, so it is not a complete checkpoint written "
+            "by accel-trainer (or was written by an older version); it cannot be verified."
+        )
     try:
         with open(file) as f:
             manifest = json.load(f)
@@ -161,8 +170,9 @@ def verify_checkpoint(path: str) -> dict:
             raise CheckpointError(f"Checkpoint {path}: {file} is missing (listed in {MANIFEST_FILE}).")
         size = os.path.getsize(file)
         if size != meta["size"]:
-            raise CheckpointError(f"Checkpoint {path}: {file} is truncated or altered: {size} bytes, "
-                                  f"{meta['size']} expected.")
+            raise CheckpointError(
+                f"Checkpoint {path}: {file} is truncated or altered: {size} bytes, {meta['size']} expected."
+            )
         h = hashlib.sha256()
         with open(file, "rb") as f:
             while chunk := f.read(1 << 20):
@@ -189,7 +199,8 @@ def check_safe_to_load(path: str, manifest: dict):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(
                 f"Checkpoint {path}: {file} cannot be loaded safely ({type(e).__name__}: {first}). Pickled code "
-                "and arbitrary objects are refused (weights_only=True) and were not run.") from None
+                "and arbitrary objects are refused (weights_only=True) and were not run."
+            ) from None
 
 
 def _plain_key(name: str) -> str:
@@ -206,23 +217,29 @@ def check_compatible(path: str, model, num_processes: int):
         raise CheckpointError(
             f"Checkpoint {path} was written by {manifest.get('num_processes')} processes but this run has "
             f"{num_processes}. Per-process random states and the position in the data belong to that world size: "
-            "resume with the same number of processes (see docs/fault-tolerance.md).")
+            "resume with the same number of processes (see docs/fault-tolerance.md)."
+        )
     file = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(file):
         return  # e.g. a sharded (FSDP) state: accelerate checks it while loading
     expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
     with safe_open(file, framework="pt") as f:
         found = {_plain_key(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    problems = [f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
-                for k in expected if k in found and found[k] != expected[k]]
+    problems = [
+        f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
+        for k in expected
+        if k in found and found[k] != expected[k]
+    ]
     missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing:
         problems.append(f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if extra:
         problems.append(f"unexpected tensors {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
     if problems:
-        raise CheckpointError(f"Checkpoint {path}: {file} does not fit this model ({'; '.join(problems[:5])}). "
-                              "Resume with the model arguments the checkpoint was written with.")
+        raise CheckpointError(
+            f"Checkpoint {path}: {file} does not fit this model ({'; '.join(problems[:5])}). "
+            "Resume with the model arguments the checkpoint was written with."
+        )
 
 
 # ------------------------------------------------------------------------------------------------------ resolving
@@ -241,8 +258,10 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
         if not found:
             if spec == "auto":
                 return None
-            raise CheckpointError(f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_root(output_dir)}. "
-                                  "Drop the flag to start a new run, or pass the folder of a checkpoint.")
+            raise CheckpointError(
+                f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_root(output_dir)}. "
+                "Drop the flag to start a new run, or pass the folder of a checkpoint."
+            )
         errors = []
         for path in reversed(found):
             try:
@@ -252,14 +271,20 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
                 log(f"warning: skipping checkpoint {path}: {e}")
                 continue
             if errors:
-                log(f"warning: resuming from {path}, the newest usable checkpoint ({len(errors)} newer one(s) "
-                    "skipped, see above).")
+                log(
+                    f"warning: resuming from {path}, the newest usable checkpoint ({len(errors)} newer one(s) "
+                    "skipped, see above)."
+                )
             return path
-        raise CheckpointError(f"--resume_from_checkpoint {spec}: none of the {len(found)} checkpoint(s) in "
-                              f"{checkpoints_root(output_dir)} is usable; the newest: {errors[0]}")
+        raise CheckpointError(
+            f"--resume_from_checkpoint {spec}: none of the {len(found)} checkpoint(s) in "
+            f"{checkpoints_root(output_dir)} is usable; the newest: {errors[0]}"
+        )
     if not os.path.isdir(spec):
-        raise CheckpointError(f"--resume_from_checkpoint {spec}: no such folder. Pass a checkpoint folder "
-                              f"(output_dir/checkpoints/step_<N>), 'latest' or 'auto'.")
+        raise CheckpointError(
+            f"--resume_from_checkpoint {spec}: no such folder. Pass a checkpoint folder "
+            f"(output_dir/checkpoints/step_<N>), 'latest' or 'auto'."
+        )
     if not os.path.isfile(os.path.join(spec, STATE_FILE)):
         raise CheckpointError(f"--resume_from_checkpoint {spec}: not a checkpoint of ours ({STATE_FILE} missing).")
     verify_checkpoint(spec)

@@ -1,9 +1,9 @@
 """The `accel-trainer` console script.
 
-    accel-trainer train recipes/x.py [training arguments]   run a recipe (same as python recipes/x.py ...)
-    accel-trainer config ...                                 write an accelerate config (the wizard)
-    accel-trainer check ...                                  preflight a config on this machine
-    accel-trainer launch ...                                 accelerate launch with bounded rendezvous + diagnosis
+accel-trainer train recipes/x.py [training arguments]   run a recipe (same as python recipes/x.py ...)
+accel-trainer config ...                                 write an accelerate config (the wizard)
+accel-trainer check ...                                  preflight a config on this machine
+accel-trainer launch ...                                 accelerate launch with bounded rendezvous + diagnosis
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ def _train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="accel-trainer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="accel-trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="run a recipe file with training arguments", add_help=False)
-    for name, module in (("config", "wizard"), ("check", "preflight")):
+    for module in ("wizard", "preflight"):
         try:
             mod = __import__(f"accel_trainer.{module}", fromlist=["add_parser"])
         except ImportError:

@@ -75,8 +75,11 @@ class PreemptionHandler:
         self.requested, self.signal_name = True, signal.Signals(signum).name
         # os.write, not print: the handler may run while the main code is inside a write to stderr (tqdm), and a
         # buffered write from here would raise "reentrant call" at that arbitrary point.
-        os.write(2, f"[rank {os.environ.get('RANK', '0')}] {self.signal_name} received: checkpointing at the next "
-                    "update boundary, then exiting (send a signal again to exit at once).\n".encode())
+        os.write(
+            2,
+            f"[rank {os.environ.get('RANK', '0')}] {self.signal_name} received: checkpointing at the next "
+            "update boundary, then exiting (send a signal again to exit at once).\n".encode(),
+        )
 
     def __enter__(self):
         self.requested, self.signal_name = False, None
@@ -165,8 +168,9 @@ def peer_failures(trainer):
 
 def describe_peer_failure(accelerator, group, error: BaseException, step: int, timeout_s: int) -> PeerFailure:
     """After a collective failed: a monitored barrier on the side group names the ranks that do not answer."""
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     rank = accelerator.process_index
     culprit = "another rank"
@@ -186,7 +190,8 @@ def describe_peer_failure(accelerator, group, error: BaseException, step: int, t
     return PeerFailure(
         f"rank {rank}: a collective failed after step {step} ({first}): {culprit} died or hangs "
         f"(no answer within --ddp_timeout={timeout_s} s). The whole job stops; resume with "
-        "--resume_from_checkpoint latest.")
+        "--resume_from_checkpoint latest."
+    )
 
 
 # --------------------------------------------------------------------------------------------- test fault injection

@@ -66,8 +66,10 @@ class MSE(evaluate.Metric):
         return _info("Mean squared error.", "float32")
 
     def _compute(self, predictions, references, squared=True):
-        err = float(np.mean((np.asarray(predictions, dtype=np.float64) - np.asarray(references, dtype=np.float64)) ** 2))
-        return {"mse": err if squared else err ** 0.5}
+        err = float(
+            np.mean((np.asarray(predictions, dtype=np.float64) - np.asarray(references, dtype=np.float64)) ** 2)
+        )
+        return {"mse": err if squared else err**0.5}
 
 
 BUILTIN = {"accuracy": Accuracy, "f1": F1, "mse": MSE}
@@ -77,8 +79,20 @@ BUILTIN = {"accuracy": Accuracy, "f1": F1, "mse": MSE}
 # GLUE (issue 4, text recipes: recipes/glue.py). Same config names, inputs and output keys as the Hub's
 # `evaluate.load("glue", task)`: accuracy + F1 for mrpc/qqp, matthews_correlation for cola, pearson + spearmanr
 # for stsb (float predictions), accuracy for the rest.
-GLUE_TASKS = ("sst2", "mnli", "mnli_mismatched", "mnli_matched", "cola", "stsb", "mrpc", "qqp", "qnli", "rte",
-              "wnli", "hans")
+GLUE_TASKS = (
+    "sst2",
+    "mnli",
+    "mnli_mismatched",
+    "mnli_matched",
+    "cola",
+    "stsb",
+    "mrpc",
+    "qqp",
+    "qnli",
+    "rte",
+    "wnli",
+    "hans",
+)
 
 
 class Glue(evaluate.Metric):

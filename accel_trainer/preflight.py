@@ -22,10 +22,24 @@ import sys
 from accel_trainer import topology
 
 ENV_VARS = (
-    "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",  # set by launchers; stale ones mislead
-    "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_IB_DISABLE",
-    "NCCL_P2P_DISABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "OMP_NUM_THREADS",
-    "SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_PROCID",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",  # set by launchers; stale ones mislead
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_DEBUG",
+    "NCCL_IB_DISABLE",
+    "NCCL_P2P_DISABLE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "OMP_NUM_THREADS",
+    "SLURM_JOB_ID",
+    "SLURM_NNODES",
+    "SLURM_NODEID",
+    "SLURM_PROCID",
 )
 OK_LINE = "collective OK"
 
@@ -50,16 +64,24 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--machine_rank", "--machine-rank", type=int, default=0, help="this machine's rank")
     p.add_argument("--main_process_ip", "--main-ip", help="override the config's main_process_ip")
     p.add_argument("--main_process_port", "--main-port", type=int, help="override the config's main_process_port")
-    p.add_argument("--timeout", type=int, default=60,
-                   help="seconds to wait for peers (rendezvous) and for the collective (default 60)")
+    p.add_argument(
+        "--timeout",
+        type=int,
+        default=60,
+        help="seconds to wait for peers (rendezvous) and for the collective (default 60)",
+    )
     p.add_argument("--no-collective", action="store_true", help="skip launching the processes")
 
 
 def add_parser(sub):
     """Register `accel-trainer check` (and `accel-trainer launch`) on the console script's subparsers."""
     add_launch_parser(sub)
-    p = sub.add_parser("check", help="preflight an accelerate config on this machine", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "check",
+        help="preflight an accelerate config on this machine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -99,8 +121,11 @@ def run(a) -> int:
     if a.no_collective:
         return 0
     if machines > 1:
-        print(f"Launching the collective: run this check on all {machines} machines now "
-              f"(waiting up to {a.timeout} s for them).", flush=True)
+        print(
+            f"Launching the collective: run this check on all {machines} machines now "
+            f"(waiting up to {a.timeout} s for them).",
+            flush=True,
+        )
     ok = run_collective(a, config, r)
     return 0 if ok else 1
 
@@ -111,16 +136,20 @@ def check_devices(config, r):
 
     per = int(config.num_processes) // max(int(config.num_machines or 1), 1)
     if config.use_cpu:
-        r.ok(f"backend gloo (CPU) {'available' if dist.is_gloo_available() else 'MISSING'}; {os.cpu_count()} CPU "
-             f"cores for {per} process(es)")
+        r.ok(
+            f"backend gloo (CPU) {'available' if dist.is_gloo_available() else 'MISSING'}; {os.cpu_count()} CPU "
+            f"cores for {per} process(es)"
+        )
         if not dist.is_gloo_available():
             r.fail("torch was built without gloo; CPU multi-process training needs it")
         return
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n == 0:
-        r.fail(f"this config uses GPUs ({per} per machine) but no CUDA device is visible here "
-               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, driver, torch build "
-               f"{torch.__version__}); for CPU use a use_cpu config such as accelerate_configs/cpu_2proc.yaml")
+        r.fail(
+            f"this config uses GPUs ({per} per machine) but no CUDA device is visible here "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, driver, torch build "
+            f"{torch.__version__}); for CPU use a use_cpu config such as accelerate_configs/cpu_2proc.yaml"
+        )
         return
     names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(n)}))
     if per > n:
@@ -140,8 +169,10 @@ def check_env(config, r):
     print("  environment: " + (", ".join(f"{k}={v}" for k, v in shown.items()) or "none of the relevant variables"))
     stale = [k for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ]
     if stale:
-        r.warn(f"{', '.join(stale)} exported in this shell: launchers set these per process; stale values can make "
-               "a process join the wrong world. Unset them unless you know why they are set.")
+        r.warn(
+            f"{', '.join(stale)} exported in this shell: launchers set these per process; stale values can make "
+            "a process join the wrong world. Unset them unless you know why they are set."
+        )
     names = {name for _, name in socket.if_nameindex()}
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         value = os.environ.get(var, "")
@@ -171,14 +202,18 @@ def check_network(config, rank, machines, timeout, r):
     if rank == 0:
         free, why = topology.port_free(port)
         if not free:
-            r.fail(f"{why}. Machine 0 must listen on it: stop the other run, or choose another "
-                   "--main_process_port on every machine.")
+            r.fail(
+                f"{why}. Machine 0 must listen on it: stop the other run, or choose another "
+                "--main_process_port on every machine."
+            )
             return
         r.ok(why)
         mine, why = topology.port_free(port, host)
         if not mine and "not an address" in why:
-            r.warn(f"{why}: fine behind NAT/port forwarding, otherwise set main_process_ip to this machine's "
-                   "cluster-network address.")
+            r.warn(
+                f"{why}: fine behind NAT/port forwarding, otherwise set main_process_ip to this machine's "
+                "cluster-network address."
+            )
     else:
         up, why = topology.reachable(host, port, timeout_s=min(timeout, 10))
         (r.ok if up else r.fail)(why)
@@ -200,8 +235,7 @@ def run_collective(a, config, r) -> bool:
     cmd = launch_argv(a, config)
     # Bounded: rendezvous (timeout) + process group and collective (timeout) + start-up slack.
     limit = 2 * a.timeout + 60
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -225,23 +259,31 @@ def diagnose(output: str, config=None, machine_rank: int = 0) -> str:
     """What the usual torch/accelerate failure messages mean: who was missing and what to check."""
     n = int(getattr(config, "num_machines", 0) or 0)
     where = f"{config.main_process_ip}:{config.main_process_port}" if n > 1 else "machine 0's address and port"
-    net = (f"that every machine reaches {where} (run `accel-trainer check --config_file <file> --machine_rank R` on "
-           "each), that the firewall lets that TCP port in on machine 0, and the interface variables "
-           "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (docs/topology.md)")
+    net = (
+        f"that every machine reaches {where} (run `accel-trainer check --config_file <file> --machine_rank R` on "
+        "each), that the firewall lets that TCP port in on machine 0, and the interface variables "
+        "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (docs/topology.md)"
+    )
     if "TopologyError" in output:
         return "the processes formed a different world than the config describes (see the TopologyError above)"
     m = re.search(r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", output)
     if m:
         waited, joined, total = map(int, m.groups())
-        return (f"machine 0 waited {waited} s but only {joined} of {total} machines joined ({total - joined} "
-                f"missing: those with --machine_rank 1..{total - 1} that never connected). Check that they were "
-                f"started with the same config and their own --machine_rank, {net}.")
+        return (
+            f"machine 0 waited {waited} s but only {joined} of {total} machines joined ({total - joined} "
+            f"missing: those with --machine_rank 1..{total - 1} that never connected). Check that they were "
+            f"started with the same config and their own --machine_rank, {net}."
+        )
     if "RendezvousTimeoutError" in output:
-        return (f"not all {n or 'the'} machines joined the c10d rendezvous within the timeout (this is machine "
-                f"{machine_rank}). Check that every machine was started with the same config, {net}.")
+        return (
+            f"not all {n or 'the'} machines joined the c10d rendezvous within the timeout (this is machine "
+            f"{machine_rank}). Check that every machine was started with the same config, {net}."
+        )
     if "utilizing it" in output or "Address already in use" in output or "EADDRINUSE" in output:
-        return ("the rendezvous port is busy on machine 0 (an earlier run still alive?): stop it or choose "
-                "another --main_process_port on every machine")
+        return (
+            "the rendezvous port is busy on machine 0 (an earlier run still alive?): stop it or choose "
+            "another --main_process_port on every machine"
+        )
     if "RendezvousConnectionError" in output or "DistNetworkError" in output or "Connection refused" in output:
         return f"could not connect to machine 0: start it, and check {net}"
     if "NCCL" in output:
@@ -251,8 +293,12 @@ def diagnose(output: str, config=None, machine_rank: int = 0) -> str:
 
 def add_launch_parser(sub):
     """`accel-trainer launch ...`: the arguments are `accelerate launch`'s, passed through unparsed."""
-    p = sub.add_parser("launch", prefix_chars="+", add_help=False,
-                       help="accelerate launch, with rendezvous flags from the config and a diagnosis on failure")
+    p = sub.add_parser(
+        "launch",
+        prefix_chars="+",
+        add_help=False,
+        help="accelerate launch, with rendezvous flags from the config and a diagnosis on failure",
+    )
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: launch(a.argv))
     return p
@@ -266,33 +312,43 @@ def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_
     from accelerate.commands.launch import launch_command_parser
 
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: accel-trainer launch [accelerate launch arguments] script.py [script arguments]\n"
-              "  like `accelerate launch`; several machines get --rdzv_backend from the config and "
-              f"--rdzv_conf with a {rdzv_timeout_s} s timeout unless given")
+        print(
+            "usage: accel-trainer launch [accelerate launch arguments] script.py [script arguments]\n"
+            "  like `accelerate launch`; several machines get --rdzv_backend from the config and "
+            f"--rdzv_conf with a {rdzv_timeout_s} s timeout unless given"
+        )
         return 0 if argv else 2
     args, _ = launch_command_parser().parse_known_args(argv)
     config = load_config_from_file(args.config_file) if args.config_file else None
     if config is not None:
         problems = topology.validate_config(config)
         if problems:
-            print("launch: refusing to launch " + args.config_file + ":\n" + "\n".join(f"  - {p}" for p in problems),
-                  file=sys.stderr)
+            print(
+                "launch: refusing to launch " + args.config_file + ":\n" + "\n".join(f"  - {p}" for p in problems),
+                file=sys.stderr,
+            )
             return 2
     at = argv.index(args.training_script)  # our flags go before the script; its own arguments stay after it
     given = {a.split("=")[0] for a in argv[:at]}
     machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)
     rank = int(args.machine_rank or 0)
     if machines > 1 and not 0 <= rank < machines:
-        print(f"launch: --machine_rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}); "
-              "give each machine its own rank.", file=sys.stderr)
+        print(
+            f"launch: --machine_rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}); "
+            "give each machine its own rank.",
+            file=sys.stderr,
+        )
         return 2
     host = args.main_process_ip or getattr(config, "main_process_ip", None)
     if machines > 1 and rank > 0 and host:
         try:  # a name that does not resolve fails here, at once, instead of after the rendezvous timeout
             socket.getaddrinfo(host, None)
         except socket.gaierror as e:
-            print(f"launch: cannot resolve machine 0's address {host!r} ({e}); pass --main_process_ip with its "
-                  "cluster-network IP.", file=sys.stderr)
+            print(
+                f"launch: cannot resolve machine 0's address {host!r} ({e}); pass --main_process_ip with its "
+                "cluster-network IP.",
+                file=sys.stderr,
+            )
             return 2
     extra = []
     if machines > 1:
@@ -348,9 +404,12 @@ def worker(timeout_s: int) -> int:
     if total != acc.num_processes:
         raise topology.TopologyError(f"all-reduce of ones gave {total}, expected {acc.num_processes}")
     if acc.is_main_process:
-        print(f"{OK_LINE}: {acc.num_processes} processes on {world.num_machines} machine(s) "
-              f"({world.processes_per_machine} per machine), backend {acc.state.backend or 'none'}, "
-              f"device {acc.device.type}, hosts {sorted(set(hosts))}", flush=True)
+        print(
+            f"{OK_LINE}: {acc.num_processes} processes on {world.num_machines} machine(s) "
+            f"({world.processes_per_machine} per machine), backend {acc.state.backend or 'none'}, "
+            f"device {acc.device.type}, hosts {sorted(set(hosts))}",
+            flush=True,
+        )
     acc.end_training()
     return 0
 

@@ -10,9 +10,10 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -32,12 +33,14 @@ class Recipe:
     name: str = "recipe"
 
     @classmethod
-    def from_module(cls, module: Any) -> "Recipe":
+    def from_module(cls, module: Any) -> Recipe:
         missing = [n for n in ("build_model", "build_data", "loss") if not callable(getattr(module, n, None))]
         if missing:
-            raise TypeError(f"Recipe {getattr(module, '__name__', module)!r} lacks {', '.join(missing)}: a recipe "
-                            "defines build_model(args, targs), build_data(args, targs, accelerator) and "
-                            "loss(model, batch) -> (loss, n_items). See docs/architecture.md.")
+            raise TypeError(
+                f"Recipe {getattr(module, '__name__', module)!r} lacks {', '.join(missing)}: a recipe "
+                "defines build_model(args, targs), build_data(args, targs, accelerator) and "
+                "loss(model, batch) -> (loss, n_items). See docs/architecture.md."
+            )
         kw = {f.name: getattr(module, f.name) for f in fields(cls) if hasattr(module, f.name)}
         if "name" not in kw:
             kw["name"] = getattr(module, "__name__", "recipe").rsplit(".", 1)[-1]

@@ -79,8 +79,9 @@ def topology(accelerator) -> dict:
         "num_processes": accelerator.num_processes,
         "num_machines": int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("ACCELERATE_NUM_MACHINES", "1")) or 1),
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        "distributed_type": str(state.distributed_type.value if hasattr(state.distributed_type, "value")
-                                else state.distributed_type),
+        "distributed_type": str(
+            state.distributed_type.value if hasattr(state.distributed_type, "value") else state.distributed_type
+        ),
         "backend": getattr(state, "backend", None),
         "device": str(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,

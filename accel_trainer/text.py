@@ -11,7 +11,8 @@ Everything here is a thin wrapper over transformers / datasets; a recipe copied 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "MissingInputError",
@@ -39,10 +40,7 @@ def _looks_like_local_path(name: str) -> bool:
     # slash can only be a path on disk -- so if it doesn't exist we can say so without asking the Hub
     # (which, offline, retries for the best part of a minute before failing).
     return (
-        os.path.isabs(name)
-        or name.startswith(("./", "../", "~", ".\\"))
-        or name.count("/") > 1
-        or name in (".", "..")
+        os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\")) or name.count("/") > 1 or name in (".", "..")
     )
 
 
@@ -65,9 +63,7 @@ def _from_pretrained(load: Callable[..., Any], name: str, what: str, flag: str, 
     except OSError as err:  # transformers raises OSError for both "no such repo" and "no network"
         where = "local folder" if os.path.isdir(os.path.expanduser(name)) else "Hub id"
         hint = (
-            " HF_HUB_OFFLINE is set, so only local folders and the local Hub cache are used."
-            if _is_offline()
-            else ""
+            " HF_HUB_OFFLINE is set, so only local folders and the local Hub cache are used." if _is_offline() else ""
         )
         raise MissingInputError(
             f"could not load the {what} from {where} {name!r}: {err}\n"
@@ -93,15 +89,21 @@ def load_pretrained(auto_cls, name_or_path: str, flag: str = "--model_name_or_pa
     return _from_pretrained(auto_cls.from_pretrained, name_or_path, "model", flag, **kwargs)
 
 
-_BUILDER_BY_EXT = {".txt": "text", ".text": "text", ".csv": "csv", ".json": "json", ".jsonl": "json",
-                   ".parquet": "parquet"}
+_BUILDER_BY_EXT = {
+    ".txt": "text",
+    ".text": "text",
+    ".csv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
 
 
 def load_text_dataset(
-    dataset_name: Optional[str] = None,
-    dataset_config_name: Optional[str] = None,
-    data_files: Optional[dict] = None,
-    builder: Optional[str] = None,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    data_files: dict | None = None,
+    builder: str | None = None,
     **kwargs,
 ):
     """`datasets.load_dataset` from a Hub name, a local folder in Hub layout, or local files.
@@ -169,8 +171,9 @@ class LengthGroupedBatches:
     smaller than the world size is dropped, so that no rank gets an empty batch.
     """
 
-    def __init__(self, dataset, lengths, batch_size: int, collate, accelerator, seed: int = 0,
-                 megabatch_mult: int = 50):
+    def __init__(
+        self, dataset, lengths, batch_size: int, collate, accelerator, seed: int = 0, megabatch_mult: int = 50
+    ):
         if len(lengths) != len(dataset):
             raise ValueError(f"{len(lengths)} lengths for {len(dataset)} examples")
         self.dataset, self.lengths, self.collate = dataset, list(lengths), collate
@@ -191,8 +194,8 @@ class LengthGroupedBatches:
         mega = size * self.megabatch_mult
         batches = []
         for i in range(0, len(perm), mega):
-            chunk = sorted(perm[i: i + mega], key=lambda j: self.lengths[j], reverse=True)
-            batches += [chunk[k: k + size] for k in range(0, len(chunk), size)]
+            chunk = sorted(perm[i : i + mega], key=lambda j: self.lengths[j], reverse=True)
+            batches += [chunk[k : k + size] for k in range(0, len(chunk), size)]
         full = [b for b in batches if len(b) == size]
         tail = [j for b in batches if len(b) < size for j in b]
         order = torch.randperm(len(full), generator=g).tolist()
@@ -204,7 +207,7 @@ class LengthGroupedBatches:
     def _shard(self, batch: list[int]) -> list[int]:
         # contiguous near-equal shares: rank r gets [r*n//W, (r+1)*n//W)
         n = len(batch)
-        return batch[self.rank * n // self.world: (self.rank + 1) * n // self.world]
+        return batch[self.rank * n // self.world : (self.rank + 1) * n // self.world]
 
     def __len__(self) -> int:
         # mega-batches are whole multiples of the global batch, so only the very last global batch is partial
@@ -230,5 +233,6 @@ def length_grouped_train(train, targs, collate, accelerator, column: str = "inpu
     if targs.max_train_samples is not None and targs.max_train_samples < len(train):
         train = train.select(range(targs.max_train_samples))
     lengths = [len(x) for x in train[column]]
-    return LengthGroupedBatches(train, lengths, targs.per_device_train_batch_size, collate, accelerator,
-                                seed=targs.seed)
+    return LengthGroupedBatches(
+        train, lengths, targs.per_device_train_batch_size, collate, accelerator, seed=targs.seed
+    )

@@ -147,7 +147,8 @@ _FIX_ONE_WORLD = (
 def _fix_for(expected: World, actual_total: int) -> str:
     if actual_total == 1 and "WORLD_SIZE" not in os.environ:  # accelerate's simple launcher ran it: one process
         how = {"--cpu": "`--cpu`", None: f"a `distributed_type: {expected.distributed_type}` launch"}.get(
-            expected.launcher_flags, expected.launcher_flags)
+            expected.launcher_flags, expected.launcher_flags
+        )
         return (
             f"Cause: accelerate launches {how} with its simple launcher, which starts ONE process whatever "
             "num_processes says. Fix: launch with `--multi_gpu --num_processes N` (torchrun; the Trainer uses "
@@ -333,7 +334,7 @@ def reachable(host: str, port: int, timeout_s: float = 5.0) -> tuple[bool, str]:
             return True, f"{host}:{port} accepts connections (machine 0 is listening)"
     except ConnectionRefusedError:
         return True, f"{host} is reachable; nothing listens on port {port} yet (start machine 0)"
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False, (
             f"no answer from {host}:{port} within {timeout_s:.0f} s: wrong address, host down, or a firewall "
             f"dropping the port (open TCP {port} on machine 0)"

@@ -62,16 +62,21 @@ def default_optimizer(model, args: TrainingArguments):
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
 
 
 def default_scheduler(optimizer, num_training_steps: int, args: TrainingArguments):
     from transformers import get_scheduler
 
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * num_training_steps)
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                         num_training_steps=num_training_steps)
+    return get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=num_training_steps
+    )
 
 
 class Trainer:
@@ -98,10 +103,13 @@ class Trainer:
         if args.gradient_checkpointing:
             # transformers >= 5 names it activation_checkpointing_enable (the old name warns); 4.x has only the old.
             enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-                model, "gradient_checkpointing_enable", None)
+                model, "gradient_checkpointing_enable", None
+            )
             if enable is None:
-                raise UserError("--gradient_checkpointing needs a transformers model (activation_checkpointing_enable)"
-                                "; for another model, wrap its blocks in torch.utils.checkpoint in build_model.")
+                raise UserError(
+                    "--gradient_checkpointing needs a transformers model (activation_checkpointing_enable)"
+                    "; for another model, wrap its blocks in torch.utils.checkpoint in build_model."
+                )
             enable()
         if args.sync_batchnorm and acc.num_processes > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -116,19 +124,33 @@ class Trainer:
         self.eval_loader = acc.prepare(evald) if isinstance(evald, DataLoader) else evald
         self.micro_batches_per_epoch = len(self.train_loader)
         if self.micro_batches_per_epoch == 0:
-            raise UserError("The training data gives no batch on this process: fewer samples than "
-                             "per_device_train_batch_size x processes? Lower the batch size or add data.")
+            raise UserError(
+                "The training data gives no batch on this process: fewer samples than "
+                "per_device_train_batch_size x processes? Lower the batch size or add data."
+            )
         self.updates_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
-        self.total_steps = (args.max_steps if args.max_steps > 0
-                            else math.ceil(args.num_train_epochs * self.updates_per_epoch))
+        self.total_steps = (
+            args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.updates_per_epoch)
+        )
 
-        optimizer = (self.recipe.build_optimizer(model, recipe_args, args) if self.recipe.build_optimizer
-                     else default_optimizer(model, args))
-        scheduler = (self.recipe.build_scheduler(optimizer, self.total_steps, recipe_args, args)
-                     if self.recipe.build_scheduler else default_scheduler(optimizer, self.total_steps, args))
+        optimizer = (
+            self.recipe.build_optimizer(model, recipe_args, args)
+            if self.recipe.build_optimizer
+            else default_optimizer(model, args)
+        )
+        scheduler = (
+            self.recipe.build_scheduler(optimizer, self.total_steps, recipe_args, args)
+            if self.recipe.build_scheduler
+            else default_scheduler(optimizer, self.total_steps, args)
+        )
         self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
-        self.ema = (AveragedModel(acc.unwrap_model(self.model), multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay),
-                                  use_buffers=True) if args.ema_decay > 0 else None)
+        self.ema = (
+            AveragedModel(
+                acc.unwrap_model(self.model), multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True
+            )
+            if args.ema_decay > 0
+            else None
+        )
 
         # The fast path: call torch's optimizer, scaler and backward directly where Accelerate adds nothing.
         self._plain = acc.distributed_type in _PLAIN
@@ -181,7 +203,8 @@ class Trainer:
         if previous and not (args.overwrite_output_dir or leftovers):
             raise FileExistsError(
                 f"output_dir {out} holds a previous run ({', '.join(previous)}). Pass --resume_from_checkpoint latest"
-                " to continue it, --overwrite_output_dir to delete it and start over, or another --output_dir.")
+                " to continue it, --overwrite_output_dir to delete it and start over, or another --output_dir."
+            )
         if previous:
             self.accelerator.wait_for_everyone()  # every rank has checked before the main one deletes
             if self.accelerator.is_main_process:
@@ -196,47 +219,70 @@ class Trainer:
         if not _is_dataset(data):
             for attr in ("__iter__", "__len__", "set_epoch"):
                 if not hasattr(data, attr):
-                    raise TypeError(f"Recipe data {type(data).__name__} is neither a map-style Dataset nor a batch "
-                                    f"loader (lacks {attr}); see docs/architecture.md.")
+                    raise TypeError(
+                        f"Recipe data {type(data).__name__} is neither a map-style Dataset nor a batch "
+                        f"loader (lacks {attr}); see docs/architecture.md."
+                    )
             return data
         data = _take(data, args.max_train_samples if train else args.max_eval_samples)
         return DataLoader(
-            data, shuffle=train, collate_fn=self.recipe.collate, num_workers=args.dataloader_num_workers,
+            data,
+            shuffle=train,
+            collate_fn=self.recipe.collate,
+            num_workers=args.dataloader_num_workers,
             batch_size=args.per_device_train_batch_size if train else args.per_device_eval_batch_size,
-            drop_last=args.dataloader_drop_last if train else False, pin_memory=torch.cuda.is_available(),
+            drop_last=args.dataloader_drop_last if train else False,
+            pin_memory=torch.cuda.is_available(),
             # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a resumed
             # run would see other random numbers than the uninterrupted one.
-            generator=torch.Generator().manual_seed(args.seed))
+            generator=torch.Generator().manual_seed(args.seed),
+        )
 
     def _flat_config(self) -> dict:
         cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool))}
         if is_dataclass(self.recipe_args):
-            cfg.update({f"recipe.{k}": v for k, v in asdict(self.recipe_args).items()
-                        if isinstance(v, (int, float, str, bool))})
+            cfg.update(
+                {
+                    f"recipe.{k}": v
+                    for k, v in asdict(self.recipe_args).items()
+                    if isinstance(v, (int, float, str, bool))
+                }
+            )
         return cfg
 
     def _write_run_config(self):
         world = topology(self.accelerator)
-        self.reporter.write_run_config(os.path.join(self.args.output_dir, "run_config.json"), {
-            "recipe": self.recipe.name,
-            "num_processes": self.accelerator.num_processes,
-            "global_train_batch_size": (self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-                                        * self.accelerator.num_processes),
-            "total_steps": self.total_steps,
-            "updates_per_epoch": self.updates_per_epoch,
-            "args": self.args.to_dict(),
-            "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
-            "topology": world,
-            "versions": library_versions(),
-        })
+        self.reporter.write_run_config(
+            os.path.join(self.args.output_dir, "run_config.json"),
+            {
+                "recipe": self.recipe.name,
+                "num_processes": self.accelerator.num_processes,
+                "global_train_batch_size": (
+                    self.args.per_device_train_batch_size
+                    * self.args.gradient_accumulation_steps
+                    * self.accelerator.num_processes
+                ),
+                "total_steps": self.total_steps,
+                "updates_per_epoch": self.updates_per_epoch,
+                "args": self.args.to_dict(),
+                "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
+                "topology": world,
+                "versions": library_versions(),
+            },
+        )
 
     # ------------------------------------------------------------------------------------------------- training
     def fit(self) -> dict:
         """Train to `total_steps` optimizer updates, evaluating, logging and checkpointing on the way."""
         args, acc = self.args, self.accelerator
         G, L = args.gradient_accumulation_steps, self.micro_batches_per_epoch
-        progress = tqdm(total=self.total_steps, initial=self.global_step, dynamic_ncols=True, desc="train",
-                        disable=args.disable_tqdm or not acc.is_main_process)
+        progress = tqdm(
+            total=self.total_steps,
+            initial=self.global_step,
+            dynamic_ncols=True,
+            desc="train",
+            disable=args.disable_tqdm or not acc.is_main_process,
+        )
         self.model.train()
         last_eval: dict = {}
         with self._preemption, faults.peer_failures(self):
@@ -260,8 +306,11 @@ class Trainer:
                     step, last = self.global_step, self.global_step >= self.total_steps
                     if step % args.logging_steps == 0 or last:
                         self._log(progress)
-                    if self.eval_loader is not None and not last and (
-                            (args.eval_steps and step % args.eval_steps == 0) or (not args.eval_steps and epoch_done)):
+                    if (
+                        self.eval_loader is not None
+                        and not last
+                        and ((args.eval_steps and step % args.eval_steps == 0) or (not args.eval_steps and epoch_done))
+                    ):
                         last_eval = self.evaluate()
                     if args.save_steps and step % args.save_steps == 0 and not last:
                         self.save_checkpoint()
@@ -306,16 +355,20 @@ class Trainer:
         loss_sum, n_sum = 0.0, 0
         for i, batch in enumerate(window):
             sync = i == len(window) - 1
-            with (nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(self.model)):
+            with nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(self.model):
                 loss, n = self.recipe.loss(self.model, batch)
                 self._backward(loss * n if self._weighted else loss)
             loss_sum = loss_sum + loss.detach() * n
             n_sum = n_sum + n
 
         if self._weighted:
-            totals = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                                  torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                                  self._vote_values[self._preemption.requested]])  # 1 on a rank that got SIGTERM
+            totals = torch.stack(
+                [
+                    torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
+                    torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
+                    self._vote_values[self._preemption.requested],
+                ]
+            )  # 1 on a rank that got SIGTERM
             if acc.num_processes > 1:
                 totals = acc.reduce(totals, reduction="sum")
                 self._stop_vote = faults.Vote(totals[2])  # the preemption vote rides on this all-reduce
@@ -363,15 +416,18 @@ class Trainer:
     def _log(self, progress=None):
         if not self._log_window:
             return
-        losses = torch.stack([torch.as_tensor(l, dtype=torch.float32) for l, _ in self._log_window]).float().cpu()
+        losses = torch.stack([torch.as_tensor(loss, dtype=torch.float32) for loss, _ in self._log_window]).float().cpu()
         finite = torch.isfinite(losses)
         if not finite.all() and self.args.nan_policy == "stop":
             bad_step = self._log_window[int((~finite).nonzero()[0])][1]
             raise NonFiniteLossError(
                 f"Loss is {losses[~finite][0].item()} at step {bad_step}; the run stops (no checkpoint is written "
-                "over the last good one). Lower the learning rate, check the data, or pass --nan_policy skip.")
-        metrics = {"loss": losses[finite].mean().item() if finite.any() else float("nan"),
-                   "learning_rate": self.scheduler.get_last_lr()[0]}
+                "over the last good one). Lower the learning rate, check the data, or pass --nan_policy skip."
+            )
+        metrics = {
+            "loss": losses[finite].mean().item() if finite.any() else float("nan"),
+            "learning_rate": self.scheduler.get_last_lr()[0],
+        }
         if getattr(self, "_grad_norm", None) is not None:
             metrics["grad_norm"] = float(self._grad_norm)
         if self.accelerator.scaler is not None:
@@ -457,12 +513,15 @@ class Trainer:
         name = self.args.metric_for_best_model
         key = name if name in results else f"eval_{name}"
         if key not in results:
-            raise UserError(f"--metric_for_best_model {name}: the evaluation gives no such metric; it gives "
-                            f"{', '.join(sorted(results))}.")
+            raise UserError(
+                f"--metric_for_best_model {name}: the evaluation gives no such metric; it gives "
+                f"{', '.join(sorted(results))}."
+            )
         value = float(results[key])
         greater = self.args.greater_is_better if self.args.greater_is_better is not None else not key.endswith("loss")
-        if not math.isfinite(value) or (self.best_metric is not None and not (
-                value > self.best_metric if greater else value < self.best_metric)):
+        if not math.isfinite(value) or (
+            self.best_metric is not None and not (value > self.best_metric if greater else value < self.best_metric)
+        ):
             return
         self.best_metric, self.best_step = value, self.global_step
         best = os.path.join(self.args.output_dir, "best")
@@ -476,18 +535,31 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state(self) -> dict:
-        return {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "skipped_steps": self.skipped_steps, "num_processes": self.accelerator.num_processes,
-                "best_metric": self.best_metric, "best_step": self.best_step,
-                "per_device_train_batch_size": self.args.per_device_train_batch_size,
-                "gradient_accumulation_steps": self.args.gradient_accumulation_steps, "seed": self.args.seed}
+        return {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "skipped_steps": self.skipped_steps,
+            "num_processes": self.accelerator.num_processes,
+            "best_metric": self.best_metric,
+            "best_step": self.best_step,
+            "per_device_train_batch_size": self.args.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "seed": self.args.seed,
+        }
 
     def save_checkpoint(self) -> str:
         if self._log_window:
             self._log()  # also stops on a non-finite loss before anything is written over a good checkpoint
-        path = ckpt.save_checkpoint(self.accelerator, self.args.output_dir, self.global_step, self.state(),
-                                    ema=self.ema, save_total_limit=self.args.save_total_limit,
-                                    hooks=self._test_faults)
+        path = ckpt.save_checkpoint(
+            self.accelerator,
+            self.args.output_dir,
+            self.global_step,
+            self.state(),
+            ema=self.ema,
+            save_total_limit=self.args.save_total_limit,
+            hooks=self._test_faults,
+        )
         self._saved_step = self.global_step
         return path
 
@@ -502,25 +574,37 @@ class Trainer:
 
     def _preempt(self, progress=None):
         """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
-        path = (os.path.join(ckpt.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
-                if self._saved_step == self.global_step else self.save_checkpoint())
+        path = (
+            os.path.join(ckpt.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
+            if self._saved_step == self.global_step
+            else self.save_checkpoint()
+        )
         if progress is not None:
             progress.close()
         self.accelerator.end_training()
-        self.reporter.print(f"Preempted ({self._preemption.signal_name or 'signal on another rank'}): checkpoint "
-                            f"{path} at step {self.global_step}; exiting with code {faults.EXIT_PREEMPTED}. Resume "
-                            "with --resume_from_checkpoint latest.")
+        self.reporter.print(
+            f"Preempted ({self._preemption.signal_name or 'signal on another rank'}): checkpoint "
+            f"{path} at step {self.global_step}; exiting with code {faults.EXIT_PREEMPTED}. Resume "
+            "with --resume_from_checkpoint latest."
+        )
         raise faults.Preempted(path, self.global_step)
 
     def _resume(self, path: str):
         mine = self.state()
-        changed = [k for k in ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")
-                   if path and ckpt.read_state(path).get(k) != mine[k]]
+        changed = [
+            k
+            for k in ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")
+            if path and ckpt.read_state(path).get(k) != mine[k]
+        ]
         if changed:
             raise ckpt.CheckpointError(
-                f"Checkpoint {path} was written with " + ", ".join(f"{k}={ckpt.read_state(path)[k]}" for k in changed)
-                + " but this run has " + ", ".join(f"{k}={mine[k]}" for k in changed) + ". The position in the data "
-                "and the per-process random states are tied to them: resume with the same values.")
+                f"Checkpoint {path} was written with "
+                + ", ".join(f"{k}={ckpt.read_state(path)[k]}" for k in changed)
+                + " but this run has "
+                + ", ".join(f"{k}={mine[k]}" for k in changed)
+                + ". The position in the data "
+                "and the per-process random states are tied to them: resume with the same values."
+            )
         state = ckpt.load_checkpoint(self.accelerator, path, self.model, ema=self.ema)
         if self.accelerator.is_main_process:
             for stale in ckpt.remove_stale_tmp(self.args.output_dir):
@@ -528,8 +612,9 @@ class Trainer:
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batch_in_epoch, self.skipped_steps = state["batch_in_epoch"], state["skipped_steps"]
         self.best_metric, self.best_step = state.get("best_metric"), state.get("best_step")
-        self.reporter.print(f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, "
-                            f"batch {self.batch_in_epoch}).")
+        self.reporter.print(
+            f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, batch {self.batch_in_epoch})."
+        )
 
     def save_model(self, path: str | None = None) -> str:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""

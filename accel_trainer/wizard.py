@@ -81,8 +81,9 @@ def build_config(
         rdzv_backend=rdzv,
         same_network=False,
         fsdp_config=dict(FSDP_CONFIG) if sharding == "fsdp" else {},
-        deepspeed_config={"zero_stage": zero_stage, "offload_optimizer_device": "none",
-                          "offload_param_device": "none"} if sharding == "deepspeed" else {},
+        deepspeed_config={"zero_stage": zero_stage, "offload_optimizer_device": "none", "offload_param_device": "none"}
+        if sharding == "deepspeed"
+        else {},
         dynamo_config={"dynamo_backend": "INDUCTOR"} if compile else {},
     )
 
@@ -122,7 +123,7 @@ def ask(question, default, parse=str, check=None, why=""):
         try:
             raw = input(f"{question} [{default}]: ").strip()
         except EOFError:
-            raise SystemExit("config: input ended before all questions were answered; nothing written.")
+            raise SystemExit("config: input ended before all questions were answered; nothing written.") from None
         try:
             value = parse(raw) if raw else (parse(str(default)) if not isinstance(default, bool) else default)
             if check is None or check(value):
@@ -148,33 +149,64 @@ def interactive(a, hw):
     a.machines = ask("How many machines?", a.machines or 1, int, lambda v: v >= 1, "a whole number >= 1")
     a.cpu = not ask("Use GPUs? (yes/no)", "no" if a.cpu or not hw["gpus"] else "yes", yes_no, why="yes or no")
     what = "CPU processes" if a.cpu else "GPUs (processes)"
-    a.per_machine = ask(f"How many {what} per machine?", a.per_machine or (1 if a.cpu else max(hw["gpus"], 1)),
-                        int, lambda v: v >= 1, "a whole number >= 1")
+    a.per_machine = ask(
+        f"How many {what} per machine?",
+        a.per_machine or (1 if a.cpu else max(hw["gpus"], 1)),
+        int,
+        lambda v: v >= 1,
+        "a whole number >= 1",
+    )
     if a.machines > 1:
-        a.main_ip = ask("Address of machine 0, as every machine reaches it?", a.main_ip or _my_address(),
-                        str, lambda v: bool(v), "an IP address or host name")
-        a.main_port = ask("Port on machine 0 for the rendezvous?", a.main_port or topology.DEFAULT_PORT,
-                          int, lambda v: 1 <= v <= 65535, "a port number 1..65535")
-        a.rdzv = ask("Rendezvous: static (fixed machines) or c10d (elastic, restarts)?", a.rdzv or "static",
-                     str, lambda v: v in ("static", "c10d"), "static or c10d")
-        a.rdzv_timeout = ask("Seconds to wait for all machines to join?", a.rdzv_timeout, int,
-                             lambda v: v > 0, "a positive number of seconds")
+        a.main_ip = ask(
+            "Address of machine 0, as every machine reaches it?",
+            a.main_ip or _my_address(),
+            str,
+            lambda v: bool(v),
+            "an IP address or host name",
+        )
+        a.main_port = ask(
+            "Port on machine 0 for the rendezvous?",
+            a.main_port or topology.DEFAULT_PORT,
+            int,
+            lambda v: 1 <= v <= 65535,
+            "a port number 1..65535",
+        )
+        a.rdzv = ask(
+            "Rendezvous: static (fixed machines) or c10d (elastic, restarts)?",
+            a.rdzv or "static",
+            str,
+            lambda v: v in ("static", "c10d"),
+            "static or c10d",
+        )
+        a.rdzv_timeout = ask(
+            "Seconds to wait for all machines to join?",
+            a.rdzv_timeout,
+            int,
+            lambda v: v > 0,
+            "a positive number of seconds",
+        )
         if a.rdzv == "c10d":
-            a.max_restarts = ask("Restarts allowed after a worker fails?", a.max_restarts, int,
-                                 lambda v: v >= 0, "a whole number >= 0")
+            a.max_restarts = ask(
+                "Restarts allowed after a worker fails?", a.max_restarts, int, lambda v: v >= 0, "a whole number >= 0"
+            )
     mp_default = a.mixed_precision or ("bf16" if hw["bf16"] and not a.cpu else "no")
-    a.mixed_precision = ask("Mixed precision (no/bf16/fp16)?", mp_default, str, lambda v: v in MIXED,
-                            "no, bf16 or fp16")
+    a.mixed_precision = ask(
+        "Mixed precision (no/bf16/fp16)?", mp_default, str, lambda v: v in MIXED, "no, bf16 or fp16"
+    )
     a.compile = ask("Use torch.compile? (yes/no)", "yes" if a.compile else "no", yes_no, why="yes or no")
     if not a.cpu:
-        a.sharding = ask("Shard the model: none, fsdp or deepspeed?", a.sharding, str,
-                         lambda v: v in SHARDING, "none, fsdp or deepspeed")
+        a.sharding = ask(
+            "Shard the model: none, fsdp or deepspeed?",
+            a.sharding,
+            str,
+            lambda v: v in SHARDING,
+            "none, fsdp or deepspeed",
+        )
         if a.sharding == "deepspeed":
             a.zero_stage = ask("DeepSpeed ZeRO stage (0-3)?", a.zero_stage, int, lambda v: 0 <= v <= 3, "0..3")
     a.name = ask("Config name?", a.name or default_name(a), str, lambda v: v and "/" not in v, "a file name")
     if a.machines > 1:
-        a.slurm = ask("Also write a SLURM batch script? (yes/no)", "yes" if a.slurm else "no", yes_no,
-                      why="yes or no")
+        a.slurm = ask("Also write a SLURM batch script? (yes/no)", "yes" if a.slurm else "no", yes_no, why="yes or no")
     return a
 
 
@@ -204,14 +236,23 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--name", help="config name; written to <dir>/<name>.yaml (default: from the topology)")
     p.add_argument("--dir", default="accelerate_configs", help="where to write (default: accelerate_configs)")
     p.add_argument("--machines", type=int, help="number of machines (nodes)")
-    p.add_argument("--gpus-per-machine", "--processes-per-machine", dest="per_machine", type=int,
-                   help="processes per machine: GPUs per machine, or CPU processes with --cpu")
+    p.add_argument(
+        "--gpus-per-machine",
+        "--processes-per-machine",
+        dest="per_machine",
+        type=int,
+        help="processes per machine: GPUs per machine, or CPU processes with --cpu",
+    )
     p.add_argument("--cpu", action="store_true", help="CPU processes (gloo) instead of GPUs")
     p.add_argument("--main-ip", help="address of machine 0 as all machines reach it (several machines)")
     p.add_argument("--main-port", type=int, help=f"rendezvous port on machine 0 (default {topology.DEFAULT_PORT})")
     p.add_argument("--rdzv", choices=("static", "c10d"), default=None, help="rendezvous backend (default static)")
-    p.add_argument("--rdzv-timeout", type=int, default=topology.DEFAULT_RDZV_TIMEOUT_S,
-                   help="seconds to wait for all machines to join (goes on the launch line)")
+    p.add_argument(
+        "--rdzv-timeout",
+        type=int,
+        default=topology.DEFAULT_RDZV_TIMEOUT_S,
+        help="seconds to wait for all machines to join (goes on the launch line)",
+    )
     p.add_argument("--max-restarts", type=int, default=0, help="worker restarts after a failure (c10d)")
     p.add_argument("--mixed-precision", choices=MIXED, help="default: bf16 where supported, else no")
     p.add_argument("--compile", action="store_true", help="torch.compile (inductor)")
@@ -220,11 +261,18 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage")
     p.add_argument("--slurm", action="store_true", help="also write <dir>/<name>.slurm.sh")
     p.add_argument("--script", default="recipes/<recipe>.py", help="training script shown in launch lines")
-    p.add_argument("--skip-device-check", action="store_true",
-                   help="the config is for other machines: do not compare with the GPUs detected here")
+    p.add_argument(
+        "--skip-device-check",
+        action="store_true",
+        help="the config is for other machines: do not compare with the GPUs detected here",
+    )
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
-    p.add_argument("--interactive", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask questions (default: when run at a terminal without --machines)")
+    p.add_argument(
+        "--interactive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask questions (default: when run at a terminal without --machines)",
+    )
 
 
 def run(a) -> int:
@@ -243,17 +291,33 @@ def run(a) -> int:
     if a.machines > 1 and a.main_port is None:
         a.main_port = topology.DEFAULT_PORT
     if a.machines > 1 and not a.main_ip:
-        return _refuse(["--main-ip is required with several machines: the address of machine 0 as every "
-                        "machine reaches it (e.g. its cluster-network IP)."])
+        return _refuse(
+            [
+                "--main-ip is required with several machines: the address of machine 0 as every "
+                "machine reaches it (e.g. its cluster-network IP)."
+            ]
+        )
     if a.cpu and a.sharding != "none":
-        return _refuse([f"{a.sharding.upper()} on CPU is not supported here; on CPU use plain DDP (drop --{a.sharding})."])
+        return _refuse(
+            [f"{a.sharding.upper()} on CPU is not supported here; on CPU use plain DDP (drop --{a.sharding})."]
+        )
     if a.rdzv_timeout <= 0:
         return _refuse([f"--rdzv-timeout {a.rdzv_timeout}: must be a positive number of seconds."])
     if a.max_restarts and a.rdzv != "c10d":
         return _refuse(["--max-restarts needs --rdzv c10d (the static rendezvous cannot re-form a world)."])
 
-    config = build_config(a.machines, a.per_machine, a.cpu, a.main_ip, a.main_port, a.rdzv, a.mixed_precision,
-                          a.compile, a.sharding, a.zero_stage)
+    config = build_config(
+        a.machines,
+        a.per_machine,
+        a.cpu,
+        a.main_ip,
+        a.main_port,
+        a.rdzv,
+        a.mixed_precision,
+        a.compile,
+        a.sharding,
+        a.zero_stage,
+    )
     problems = topology.validate_config(config, None if a.skip_device_check else hw["gpus"])
     if not a.cpu and a.mixed_precision == "bf16" and hw["gpus"] and not hw["bf16"] and not a.skip_device_check:
         problems.append(f"bf16 is not supported by the detected {hw['gpu_name']}; use fp16 or no.")
@@ -280,8 +344,10 @@ def run(a) -> int:
         print(f"  (machines 2..{a.machines - 2}: the same with their own --machine_rank)")
     if a.machines > 1 and a.rdzv == "c10d":
         print("  c10d assigns ranks at rendezvous; --machine_rank only has to be distinct.")
-    print(f"Check each machine first: accel-trainer check --config_file {path}"
-          + (" --machine_rank <r>" if a.machines > 1 else ""))
+    print(
+        f"Check each machine first: accel-trainer check --config_file {path}"
+        + (" --machine_rank <r>" if a.machines > 1 else "")
+    )
     if a.slurm:
         spath = os.path.join(a.dir, f"{name}.slurm.sh")
         with open(spath, "w") as f:
@@ -300,8 +366,12 @@ def _refuse(problems) -> int:
 
 def add_parser(sub):
     """Register `accel-trainer config` on the console script's subparsers."""
-    p = sub.add_parser("config", help="write an accelerate config for your machines (the wizard)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "config",
+        help="write an accelerate config for your machines (the wizard)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=run)
     return p

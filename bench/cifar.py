@@ -13,6 +13,7 @@ run so that torch.compile / cuDNN autotuning are not timed. `wall_s` is everythi
 Trainer (data onto the device, model, optimizer) plus fit() with all evals. `process_s` is the whole bench process
 from its first line, imports included. GPU timings are taken after torch.cuda.synchronize().
 """
+
 import time
 
 PROCESS_START = time.perf_counter()
@@ -33,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import cifar  # noqa: E402
+
 from accel_trainer import Trainer, parse_args  # noqa: E402
 from accel_trainer.recipe import load_recipe  # noqa: E402
 
@@ -49,10 +51,19 @@ def peak_memory_mb():
 
 
 def one_run(recipe, recipe_argv, seed, target, out_root):
-    targs, rargs = parse_args(recipe.Args, recipe_argv + ["--seed", str(seed), "--output_dir",
-                                                          os.path.join(out_root, f"seed{seed}"),
-                                                          "--overwrite_output_dir", "--disable_tqdm"],
-                              defaults=recipe.defaults)
+    targs, rargs = parse_args(
+        recipe.Args,
+        recipe_argv
+        + [
+            "--seed",
+            str(seed),
+            "--output_dir",
+            os.path.join(out_root, f"seed{seed}"),
+            "--overwrite_output_dir",
+            "--disable_tqdm",
+        ],
+        defaults=recipe.defaults,
+    )
     recipe.configure(rargs, targs)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -88,10 +99,18 @@ def one_run(recipe, recipe_argv, seed, target, out_root):
     reached = next((t for t, _, a in curve if a is not None and a >= target), None)
     # Images trained on: epochs done x split size (the last batch of an epoch may be short).
     n_images = trainer.total_steps / trainer.updates_per_epoch * len(trainer.train_loader.labels)
-    return {"seed": seed, "accuracy": acc, "tta_accuracy": tta, "train_s": train_s,
-            "time_to_target_s": reached, "images_per_s": n_images / train_s,
-            "wall_s": end - t_wall, "peak_memory_mb": peak_memory_mb(),
-            "curve": [(round(t, 2), e, a) for t, e, a in curve], "is_main": trainer.accelerator.is_main_process}
+    return {
+        "seed": seed,
+        "accuracy": acc,
+        "tta_accuracy": tta,
+        "train_s": train_s,
+        "time_to_target_s": reached,
+        "images_per_s": n_images / train_s,
+        "wall_s": end - t_wall,
+        "peak_memory_mb": peak_memory_mb(),
+        "curve": [(round(t, 2), e, a) for t, e, a in curve],
+        "is_main": trainer.accelerator.is_main_process,
+    }
 
 
 def summary(values):
@@ -107,8 +126,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=5, help="runs, with seeds 0..N-1")
     p.add_argument("--first_seed", type=int, default=0)
-    p.add_argument("--target", type=float, default=None,
-                   help="accuracy for time-to-target (default: 0.94, or 0.87 for --preset small)")
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="accuracy for time-to-target (default: 0.94, or 0.87 for --preset small)",
+    )
     p.add_argument("--warmup", action="store_true", help="a short untimed run first (torch.compile, autotuning)")
     p.add_argument("--out", default="runs/bench_cifar", help="output folders of the runs; a JSON summary too")
     own, recipe_argv = p.parse_known_args()
@@ -124,10 +147,16 @@ def main():
         if r["is_main"]:
             tta = "n/a" if r["tta_accuracy"] is None else f"{r['tta_accuracy']:.4f}"
             hit = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}s"
-            print(f"seed {seed}: acc {r['accuracy']:.4f}  tta {tta}  train {r['train_s']:.2f}s  to {target:.2%}: {hit}  "
-                  f"{r['images_per_s']:.0f} img/s  wall {r['wall_s']:.1f}s  peak {r['peak_memory_mb']:.0f} MB", flush=True)
-            print("  curve (train_s, epoch, accuracy): " + ", ".join(f"({t}, {e}, {a:.4f})" for t, e, a in r["curve"]
-                                                                      if a is not None), flush=True)
+            print(
+                f"seed {seed}: acc {r['accuracy']:.4f}  tta {tta}  train {r['train_s']:.2f}s  to {target:.2%}: {hit}  "
+                f"{r['images_per_s']:.0f} img/s  wall {r['wall_s']:.1f}s  peak {r['peak_memory_mb']:.0f} MB",
+                flush=True,
+            )
+            print(
+                "  curve (train_s, epoch, accuracy): "
+                + ", ".join(f"({t}, {e}, {a:.4f})" for t, e, a in r["curve"] if a is not None),
+                flush=True,
+            )
     if not runs or not runs[0]["is_main"]:
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{torch.get_num_threads()} threads"
@@ -143,8 +172,17 @@ def main():
     print(f"  process_s       {time.perf_counter() - PROCESS_START:.1f}")
     os.makedirs(own.out, exist_ok=True)
     with open(os.path.join(own.out, "summary.json"), "w") as f:
-        json.dump({"device": device, "argv": recipe_argv, "target": target, "runs": runs,
-                   "process_s": time.perf_counter() - PROCESS_START}, f, indent=1)
+        json.dump(
+            {
+                "device": device,
+                "argv": recipe_argv,
+                "target": target,
+                "runs": runs,
+                "process_s": time.perf_counter() - PROCESS_START,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

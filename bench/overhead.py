@@ -65,8 +65,9 @@ def bare_accelerate(steps: int) -> float:
     acc = Accelerator()
     model, data = make_model(), make_data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    model, opt, sched, loader = acc.prepare(model, opt, linear_decay(opt, steps),
-                                            DataLoader(data, batch_size=BATCH, shuffle=True))
+    model, opt, sched, loader = acc.prepare(
+        model, opt, linear_decay(opt, steps), DataLoader(data, batch_size=BATCH, shuffle=True)
+    )
     done, t0 = 0, time.perf_counter()
     while done < steps:
         for x, y in loader:
@@ -92,9 +93,19 @@ def trainer(steps: int) -> float:
         build_scheduler=lambda opt, total, args, targs: linear_decay(opt, total),
     )
     with tempfile.TemporaryDirectory() as out:
-        t = Trainer(recipe, TrainingArguments(
-            output_dir=out, per_device_train_batch_size=BATCH, max_steps=steps, max_grad_norm=0.0,
-            logging_steps=10**9, save_steps=0, disable_tqdm=True), quiet=True)
+        t = Trainer(
+            recipe,
+            TrainingArguments(
+                output_dir=out,
+                per_device_train_batch_size=BATCH,
+                max_steps=steps,
+                max_grad_norm=0.0,
+                logging_steps=10**9,
+                save_steps=0,
+                disable_tqdm=True,
+            ),
+            quiet=True,
+        )
         t0 = time.perf_counter()
         t.fit()  # includes one final log line and writing model.safetensors (~1 ms in all)
         return (time.perf_counter() - t0) / steps
@@ -119,8 +130,10 @@ def main():
     for name in loops:
         spread = f"[{min(times[name]):.3f} .. {max(times[name]):.3f}]"
         print(f"  {name:8s} {med[name]:7.3f} ms/step {spread:>20s}   x{med[name] / med['plain']:.3f} of plain")
-    print(f"trainer / plain = {med['trainer'] / med['plain']:.3f}; accel / plain = {med['accel'] / med['plain']:.3f}; "
-          f"trainer / accel = {med['trainer'] / med['accel']:.3f}")
+    print(
+        f"trainer / plain = {med['trainer'] / med['plain']:.3f}; accel / plain = {med['accel'] / med['plain']:.3f}; "
+        f"trainer / accel = {med['trainer'] / med['accel']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -22,46 +22,67 @@ import functools
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from accel_trainer.errors import UserError
-from accel_trainer.text import (MissingInputError, length_grouped_train, load_config, load_pretrained,
-                                load_text_dataset, load_tokenizer)
+from accel_trainer.text import (
+    MissingInputError,
+    length_grouped_train,
+    load_config,
+    load_pretrained,
+    load_text_dataset,
+    load_tokenizer,
+)
 
 name = "causal_lm"
 
 
 @dataclass
 class Args:
-    model_name_or_path: Optional[str] = field(
+    model_name_or_path: str | None = field(
         default="gpt2",
-        metadata={"help": "Hub id or local folder (save_pretrained) of the model; its tokenizer too unless "
-                          "--tokenizer_name. With --config_name, used only for the tokenizer."})
-    config_name: Optional[str] = field(
-        default=None, metadata={"help": "Train from scratch: Hub id or folder of a config; random init."})
-    config_overrides: Optional[str] = field(
-        default=None, metadata={"help": "With --config_name: comma-separated key=value, e.g. n_layer=4,n_embd=128."})
-    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Hub id or folder of the tokenizer."})
-    dataset_name: Optional[str] = field(
-        default=None, metadata={"help": "Hub id or local dataset folder (instead of --train_file)."})
-    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
-    train_file: Optional[str] = field(default=None, metadata={"help": "Local .txt/.csv/.json(l) training file."})
-    validation_file: Optional[str] = field(default=None, metadata={"help": "Local validation file."})
+        metadata={
+            "help": "Hub id or local folder (save_pretrained) of the model; its tokenizer too unless "
+            "--tokenizer_name. With --config_name, used only for the tokenizer."
+        },
+    )
+    config_name: str | None = field(
+        default=None, metadata={"help": "Train from scratch: Hub id or folder of a config; random init."}
+    )
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "With --config_name: comma-separated key=value, e.g. n_layer=4,n_embd=128."}
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Hub id or folder of the tokenizer."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub id or local dataset folder (instead of --train_file)."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Config of --dataset_name."})
+    train_file: str | None = field(default=None, metadata={"help": "Local .txt/.csv/.json(l) training file."})
+    validation_file: str | None = field(default=None, metadata={"help": "Local validation file."})
     validation_split_percentage: float = field(
-        default=5.0, metadata={"help": "Without a validation split or file: hold out the last this-many percent of the train rows."})
+        default=5.0,
+        metadata={"help": "Without a validation split or file: hold out the last this-many percent of the train rows."},
+    )
     text_column: str = field(default="text", metadata={"help": "Column holding the text."})
     block_size: int = field(default=128, metadata={"help": "Tokens per training example."})
     packing: bool = field(
-        default=True, metadata={"help": "Pack the token stream into block_size blocks. false: one line = one "
-                                        "example (truncated to block_size, padded per batch)."})
+        default=True,
+        metadata={
+            "help": "Pack the token stream into block_size blocks. false: one line = one "
+            "example (truncated to block_size, padded per batch)."
+        },
+    )
     group_by_length: bool = field(
-        default=False, metadata={"help": "With --packing false: batches of similar length (less padding)."})
-    cache_dir: Optional[str] = field(
-        default=None, metadata={"help": "Where downloaded models/datasets and the tokenised cache go "
-                                        "(default: the Hugging Face caches)."})
+        default=False, metadata={"help": "With --packing false: batches of similar length (less padding)."}
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where downloaded models/datasets and the tokenised cache go (default: the Hugging Face caches)."
+        },
+    )
     sample_prompt: str = field(default="", metadata={"help": "Prompt for the sample generated at each eval."})
     sample_max_new_tokens: int = field(default=40, metadata={"help": "Length of that sample; 0 = no sample."})
 
@@ -74,8 +95,8 @@ class Args:
             raise ValueError(f"--block_size must be >= 2 (one input and one target token), got {self.block_size}.")
 
 
-@functools.lru_cache(maxsize=None)
-def _tokenizer(name_or_path: str, cache_dir: Optional[str] = None):
+@functools.cache
+def _tokenizer(name_or_path: str, cache_dir: str | None = None):
     tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path", cache_dir=cache_dir)
     if tok.pad_token is None:  # GPT-2 has none; padded positions are masked out of attention and loss anyway
         tok.pad_token = tok.eos_token
@@ -102,8 +123,10 @@ def build_model(args, targs):
         model = load_pretrained(AutoModelForCausalLM, args.model_name_or_path, cache_dir=args.cache_dir)
     max_pos = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if max_pos is not None and args.block_size > max_pos:
-        raise UserError(f"--block_size {args.block_size} is longer than the model's {max_pos} positions: pass "
-                        f"--block_size {max_pos} or less.")
+        raise UserError(
+            f"--block_size {args.block_size} is longer than the model's {max_pos} positions: pass "
+            f"--block_size {max_pos} or less."
+        )
     return model  # --gradient_checkpointing and --mixed_precision are applied by the Trainer
 
 
@@ -129,8 +152,9 @@ def _load_raw(args):
         raw["validation"] = raw["train"].select(range(n - n_eval, n))
         raw["train"] = raw["train"].select(range(n - n_eval))
     if args.text_column not in raw["train"].column_names:
-        raise MissingInputError(f"no column {args.text_column!r} in the dataset (columns: "
-                                f"{raw['train'].column_names}); pass --text_column.")
+        raise MissingInputError(
+            f"no column {args.text_column!r} in the dataset (columns: {raw['train'].column_names}); pass --text_column."
+        )
     return raw
 
 
@@ -160,7 +184,7 @@ def build_data(args, targs, accelerator):
         # 1000 rows) is dropped, as in transformers' run_clm.py.
         stream = [t for ids in batch["input_ids"] for t in ids]
         n = len(stream) // block * block
-        return {"input_ids": [stream[i: i + block] for i in range(0, n, block)]}
+        return {"input_ids": [stream[i : i + block] for i in range(0, n, block)]}
 
     # Tokenise once: map() results are cached next to the dataset, keyed by a fingerprint of the data and
     # of these functions (tokenizer and block size included); the main process writes, the others then read.
@@ -240,8 +264,14 @@ def generate_sample(model, tokenizer, prompt: str = "", max_new_tokens: int = 40
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
-        out = model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), do_sample=True,
-                             top_k=50, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            ids.to(device),
+            attention_mask=torch.ones_like(ids).to(device),
+            do_sample=True,
+            top_k=50,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     model.train(was_training)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
@@ -253,8 +283,13 @@ def on_evaluate(trainer, metrics, final):
         extra["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
     args = trainer.recipe_args
     if args.sample_max_new_tokens > 0 and trainer.accelerator.is_main_process:
-        sample = generate_sample(trainer.unwrapped_model, tokenizer_for(args), args.sample_prompt,
-                                 args.sample_max_new_tokens, seed=trainer.args.seed)
+        sample = generate_sample(
+            trainer.unwrapped_model,
+            tokenizer_for(args),
+            args.sample_prompt,
+            args.sample_max_new_tokens,
+            seed=trainer.args.seed,
+        )
         print(f"[sample @ step {trainer.global_step}] {sample!r}", flush=True)
         extra["eval_sample"] = sample
     return extra

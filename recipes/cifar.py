@@ -23,7 +23,6 @@ Batch sizes are global (`--batch_size`, split over the processes), as the method
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
 
 # On a CPU shared with other processes, OpenMP threads that spin while waiting for each other waste the cores
 # the other processes need (measured here at load 8: a 2-thread train step 1.3x faster with passive waiting);
@@ -46,58 +45,79 @@ name = "cifar"
 
 PRESETS = {
     "default": dict(
-        widths="64,256,256",       # channels of the three conv blocks
-        batch_size=1024,           # images per optimizer step, all processes together
-        eval_batch_size=2000,      # images per eval forward, all processes together
-        num_train_epochs=9.9,      # passes over the 50k train images (airbench94: 9.9)
-        mixed_precision="bf16",    # on a GPU; fp32 on a CPU unless --mixed_precision says otherwise
+        widths="64,256,256",  # channels of the three conv blocks
+        batch_size=1024,  # images per optimizer step, all processes together
+        eval_batch_size=2000,  # images per eval forward, all processes together
+        num_train_epochs=9.9,  # passes over the 50k train images (airbench94: 9.9)
+        mixed_precision="bf16",  # on a GPU; fp32 on a CPU unless --mixed_precision says otherwise
     ),
-    "small": dict(                 # for a 2-core CPU (AMD EPYC Zen 4 here); measurements in docs/cifar.md
-        widths="16,64,128",        # the 31x31 first block dominates CPU time: keep it narrow (19 s/epoch idle;
-                                   # 32,64,128 takes 25 s/epoch and gets ~1.2 points more)
-        batch_size=512,            # more steps per epoch than 1024 suit a net this small
+    "small": dict(  # for a 2-core CPU (AMD EPYC Zen 4 here); measurements in docs/cifar.md
+        widths="16,64,128",  # the 31x31 first block dominates CPU time: keep it narrow (19 s/epoch idle;
+        # 32,64,128 takes 25 s/epoch and gets ~1.2 points more)
+        batch_size=512,  # more steps per epoch than 1024 suit a net this small
         eval_batch_size=1000,
-        num_train_epochs=8,        # 88.3% (89.1% with TTA) at seed 0
-        mixed_precision="bf16",    # this CPU (AVX512-BF16) runs bf16 convs ~2x faster than fp32
+        num_train_epochs=8,  # 88.3% (89.1% with TTA) at seed 0
+        mixed_precision="bf16",  # this CPU (AVX512-BF16) runs bf16 convs ~2x faster than fp32
     ),
 }
 
 # TrainingArguments defaults of this recipe (the Trainer's own defaults suit transformers, not airbench).
 defaults = {
-    "learning_rate": 11.5,         # per 1024 examples (airbench's decoupled lr; see build_optimizer)
-    "weight_decay": 0.0153,        # per 1024 examples, decoupled from the lr
+    "learning_rate": 11.5,  # per 1024 examples (airbench's decoupled lr; see build_optimizer)
+    "weight_decay": 0.0153,  # per 1024 examples, decoupled from the lr
     "num_train_epochs": 9.9,
-    "max_grad_norm": 0.0,          # no clipping: BatchNorm + label smoothing keep gradients tame
+    "max_grad_norm": 0.0,  # no clipping: BatchNorm + label smoothing keep gradients tame
     "logging_steps": 10,
-    "save_steps": 0,               # no mid-run checkpoints: a run is seconds on a GPU (pass --save_steps to resume)
+    "save_steps": 0,  # no mid-run checkpoints: a run is seconds on a GPU (pass --save_steps to resume)
     "seed": 0,
 }
 
 
 @dataclass
 class Args:
-    preset: str = field(default="default", metadata={"help": f"One of {', '.join(PRESETS)}: sets the knobs left "
-                                                             "unset below (see PRESETS in this file)."})
-    dataset: str = field(default=DEFAULT_DATASET, metadata={
-        "help": "Hub id (needs the network), a local folder in the Hub layout (e.g. ../shared/data/cifar10), or "
-                "the original cifar-10-batches-py pickle folder."})
-    cache_dir: Optional[str] = field(default=None, metadata={
-        "help": "Where decoded uint8 arrays are cached. Default: $ACCEL_TRAINER_CACHE or ~/.cache/accel-trainer."})
-    widths: Optional[str] = field(default=None, metadata={"help": "Channels of the 3 conv blocks, e.g. 64,256,256."})
-    batch_size: Optional[int] = field(default=None, metadata={
-        "help": "Global train batch (all processes); sets --per_device_train_batch_size to batch_size / processes."})
-    eval_batch_size: Optional[int] = field(default=None, metadata={"help": "Global eval batch."})
+    preset: str = field(
+        default="default",
+        metadata={"help": f"One of {', '.join(PRESETS)}: sets the knobs left unset below (see PRESETS in this file)."},
+    )
+    dataset: str = field(
+        default=DEFAULT_DATASET,
+        metadata={
+            "help": "Hub id (needs the network), a local folder in the Hub layout (e.g. ../shared/data/cifar10), or "
+            "the original cifar-10-batches-py pickle folder."
+        },
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where decoded uint8 arrays are cached. Default: $ACCEL_TRAINER_CACHE or ~/.cache/accel-trainer."
+        },
+    )
+    widths: str | None = field(default=None, metadata={"help": "Channels of the 3 conv blocks, e.g. 64,256,256."})
+    batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Global train batch (all processes); sets --per_device_train_batch_size to batch_size / processes."
+        },
+    )
+    eval_batch_size: int | None = field(default=None, metadata={"help": "Global eval batch."})
     momentum: float = field(default=0.85, metadata={"help": "Nesterov momentum."})
-    bias_lr_scale: float = field(default=64.0, metadata={"help": "BatchNorm biases train at this times the lr "
-                                                                 "(not their weight decay)."})
+    bias_lr_scale: float = field(
+        default=64.0, metadata={"help": "BatchNorm biases train at this times the lr (not their weight decay)."}
+    )
     label_smoothing: float = field(default=0.2, metadata={"help": "Label smoothing of the train loss."})
     lr_start: float = field(default=0.2, metadata={"help": "Triangular schedule: lr factor at step 0."})
     lr_peak_at: float = field(default=0.23, metadata={"help": "... fraction of training where the factor is 1."})
     lr_end: float = field(default=0.07, metadata={"help": "... factor at the last step."})
-    lookahead: bool = field(default=True, metadata={"help": "Lookahead: EMA of the weights, copied back into the "
-                                                            "net every 5 steps from 30% of training on."})
-    whiten_bias_frac: float = field(default=0.3, metadata={"help": "Freeze the whitening bias after this fraction"
-                                                                   " of training (airbench: 3 of 9.9 epochs)."})
+    lookahead: bool = field(
+        default=True,
+        metadata={
+            "help": "Lookahead: EMA of the weights, copied back into the net every 5 steps from 30% of training on."
+        },
+    )
+    whiten_bias_frac: float = field(
+        default=0.3,
+        metadata={"help": "Freeze the whitening bias after this fraction of training (airbench: 3 of 9.9 epochs)."},
+    )
     bn_momentum: float = field(default=0.6, metadata={"help": "BatchNorm running stats: new = m*old + (1-m)*batch."})
     flip: str = field(default="alternate", metadata={"help": "alternate, random or none."})
     translate: int = field(default=2, metadata={"help": "Random shift in pixels (reflect padding)."})
@@ -120,8 +140,11 @@ def configure(args, targs, given=None):
     for key in ("widths", "batch_size", "eval_batch_size"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    if ("num_train_epochs" not in given) if given is not None else (
-            targs.num_train_epochs == defaults["num_train_epochs"]):
+    if (
+        ("num_train_epochs" not in given)
+        if given is not None
+        else (targs.num_train_epochs == defaults["num_train_epochs"])
+    ):
         targs.num_train_epochs = preset["num_train_epochs"]
     if targs.mixed_precision is None and not os.environ.get("ACCELERATE_MIXED_PRECISION"):
         # bf16 where it is fast: a GPU, or a CPU with AVX512-BF16 / AMX (the "small" preset opts in).
@@ -173,7 +196,7 @@ class CifarNet(nn.Module):
 
     def __init__(self, widths=(64, 256, 256), whiten_kernel=2, bn_momentum=0.6, label_smoothing=0.2):
         super().__init__()
-        whiten_width = 2 * 3 * whiten_kernel ** 2  # every patch direction, with both signs (GELU is not odd)
+        whiten_width = 2 * 3 * whiten_kernel**2  # every patch direction, with both signs (GELU is not odd)
         self.whiten = nn.Conv2d(3, whiten_width, whiten_kernel, padding=0, bias=True)
         self.whiten.weight.requires_grad_(False)
         nn.init.zeros_(self.whiten.bias)
@@ -210,6 +233,7 @@ def _plain(model):
 
 def _main_first():
     from accelerate import PartialState
+
     return PartialState().main_process_first()  # rank 0 decodes and caches the data; the others then read it
 
 
@@ -235,14 +259,22 @@ def build_data(args, targs, accelerator):
         data = load_cifar10(args.dataset, args.cache_dir)
     (x_train, y_train), (x_test, y_test) = data["train"], data["test"]
     if targs.max_train_samples:
-        x_train, y_train = x_train[:targs.max_train_samples], y_train[:targs.max_train_samples]
+        x_train, y_train = x_train[: targs.max_train_samples], y_train[: targs.max_train_samples]
     if targs.max_eval_samples:
-        x_test, y_test = x_test[:targs.max_eval_samples], y_test[:targs.max_eval_samples]
-    common = dict(device=accelerator.device, seed=targs.seed, rank=accelerator.process_index,
-                  world_size=accelerator.num_processes)
+        x_test, y_test = x_test[: targs.max_eval_samples], y_test[: targs.max_eval_samples]
+    common = dict(
+        device=accelerator.device, seed=targs.seed, rank=accelerator.process_index, world_size=accelerator.num_processes
+    )
     return {
-        "train": DeviceLoader(x_train, y_train, targs.per_device_train_batch_size, train=True,
-                              flip=args.flip, translate=args.translate, **common),
+        "train": DeviceLoader(
+            x_train,
+            y_train,
+            targs.per_device_train_batch_size,
+            train=True,
+            flip=args.flip,
+            translate=args.translate,
+            **common,
+        ),
         "eval": DeviceLoader(x_test, y_test, targs.per_device_eval_batch_size, train=False, **common),
     }
 
@@ -260,18 +292,24 @@ def loss(model, batch):
 def eval_step(model, batch):
     logits = model(batch["images"]).float()
     labels = batch["labels"]
-    return {"loss": F.cross_entropy(logits, labels), "n_items": len(labels),
-            "predictions": logits.argmax(1), "references": labels}
+    return {
+        "loss": F.cross_entropy(logits, labels),
+        "n_items": len(labels),
+        "predictions": logits.argmax(1),
+        "references": labels,
+    }
 
 
 def build_metrics(args):
     from accel_trainer import load_metric
+
     return {"accuracy": load_metric("accuracy")}
 
 
 def tta_logits(model, images, level=2):
     """Test-time augmentation: level 1 averages the image and its mirror; level 2 also averages (with weight 1/2)
     two 1-pixel diagonal shifts of both, i.e. 6 views (airbench94)."""
+
     def mirror(x):
         return 0.5 * model(x).float() + 0.5 * model(x.flip(-1)).float()
 
@@ -296,8 +334,10 @@ def on_evaluate(trainer, metrics, final):
     metric = build_metrics(args)["accuracy"]
     with torch.no_grad():
         for batch in trainer.eval_loader:
-            out = {"predictions": tta_logits(model, batch["images"], args.tta_level).argmax(1),
-                   "references": batch["labels"]}
+            out = {
+                "predictions": tta_logits(model, batch["images"], args.tta_level).argmax(1),
+                "references": batch["labels"],
+            }
             out = trainer.gather_eval(out)  # every test image once, also when shards differ by one sample
             metric.add_batch(predictions=out["predictions"].cpu(), references=out["references"].cpu())
     model.train(was_training)
@@ -320,8 +360,9 @@ class LookaheadSGD(torch.optim.SGD):
     with the optimizer state.
     """
 
-    def __init__(self, params, model, lr, momentum, start_frac=0.3, every=5, decay_base=0.95, decay_pow=3.0,
-                 enabled=True):
+    def __init__(
+        self, params, model, lr, momentum, start_frac=0.3, every=5, decay_base=0.95, decay_pow=3.0, enabled=True
+    ):
         super().__init__(params, lr=lr, momentum=momentum, nesterov=True)
         self.model, self.start_frac, self.every, self.enabled = model, start_frac, every, enabled
         self.decay_base, self.decay_pow = decay_base, decay_pow
@@ -342,7 +383,7 @@ class LookaheadSGD(torch.optim.SGD):
             if self.ema is None:
                 self.ema = [v.detach().clone() for v in self._floats()]
             else:
-                rho = (self.decay_base ** self.every) * (self.step_count / total) ** self.decay_pow
+                rho = (self.decay_base**self.every) * (self.step_count / total) ** self.decay_pow
                 if self.step_count % self.every != 0:
                     rho = 1.0  # the last step: back to the average, no new weights taken in
                 net = self._floats()
@@ -371,6 +412,7 @@ def build_optimizer(model, args, targs):
     multiplies its weight_decay by the lr, so we pass the ratio."""
     args = args or Args()
     from accelerate import PartialState
+
     B = targs.per_device_train_batch_size * targs.gradient_accumulation_steps * PartialState().num_processes
     scale = 1024 * (1 + 1 / (1 - args.momentum))
     lr = targs.learning_rate * B / scale
@@ -380,9 +422,11 @@ def build_optimizer(model, args, targs):
     ids = {id(p) for p in norm_biases} | {id(net.whiten.bias)}
     others = [p for p in net.parameters() if p.requires_grad and id(p) not in ids]
     lr_b = lr * args.bias_lr_scale
-    groups = [dict(params=others, lr=lr, weight_decay=wd / lr),
-              dict(params=norm_biases, lr=lr_b, weight_decay=wd / lr_b),
-              dict(params=[net.whiten.bias], lr=lr, weight_decay=wd / lr)]  # frozen after whiten_bias_frac
+    groups = [
+        dict(params=others, lr=lr, weight_decay=wd / lr),
+        dict(params=norm_biases, lr=lr_b, weight_decay=wd / lr_b),
+        dict(params=[net.whiten.bias], lr=lr, weight_decay=wd / lr),
+    ]  # frozen after whiten_bias_frac
     return LookaheadSGD(groups, net, lr=lr, momentum=args.momentum, enabled=args.lookahead)
 
 
@@ -400,9 +444,11 @@ def build_scheduler(optimizer, num_training_steps, args, targs):
 
     freeze_at = args.whiten_bias_frac * num_training_steps
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, [triangle, triangle, lambda step: triangle(step) * (step < freeze_at)])
+        optimizer, [triangle, triangle, lambda step: triangle(step) * (step < freeze_at)]
+    )
 
 
 if __name__ == "__main__":
     from accel_trainer import run
+
     run(sys.modules[__name__])

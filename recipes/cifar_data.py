@@ -14,6 +14,7 @@ Two pieces, both usable on their own:
   order (and the augmentation) depends only on (seed, epoch): the same seed gives the same global batches on any
   number of processes. Implements the Trainer's "batch loader" protocol (docs/architecture.md).
 """
+
 import hashlib
 import io
 import os
@@ -35,12 +36,14 @@ class CifarDataError(FileNotFoundError):
 
 
 def _how_to_supply(source):
-    return (f"Could not load CIFAR-10 from {source!r}.\n"
-            "Supply the data in one of two ways:\n"
-            f"  1. a Hub dataset id, with network access to the Hugging Face Hub: --dataset {DEFAULT_DATASET}\n"
-            "  2. a local folder: either a copy in the Hub layout (plain_text/train-*.parquet, test-*.parquet;\n"
-            "     e.g. --dataset ../shared/data/cifar10), or the original pickle folder from\n"
-            "     https://www.cs.toronto.edu/~kriz/cifar.html (--dataset /path/to/cifar-10-batches-py).")
+    return (
+        f"Could not load CIFAR-10 from {source!r}.\n"
+        "Supply the data in one of two ways:\n"
+        f"  1. a Hub dataset id, with network access to the Hugging Face Hub: --dataset {DEFAULT_DATASET}\n"
+        "  2. a local folder: either a copy in the Hub layout (plain_text/train-*.parquet, test-*.parquet;\n"
+        "     e.g. --dataset ../shared/data/cifar10), or the original pickle folder from\n"
+        "     https://www.cs.toronto.edu/~kriz/cifar.html (--dataset /path/to/cifar-10-batches-py)."
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -64,29 +67,35 @@ def _load_pickle_dir(d):
         return images, np.asarray(batch[b"labels"], dtype=np.int64)
 
     train = [read(f"data_batch_{i}") for i in range(1, 6)]
-    return {"train": (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])),
-            "test": read("test_batch")}
+    return {
+        "train": (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])),
+        "test": read("test_batch"),
+    }
 
 
 def _columns(features):
     """(image column, label column) of a CIFAR-like `datasets` split: `img`/`label` on uoft-cs/cifar10."""
     import datasets
+
     image_cols = [k for k, v in features.items() if isinstance(v, datasets.Image)]
-    label_cols = [k for k, v in features.items() if isinstance(v, datasets.ClassLabel)] or \
-                 [k for k in features if k in ("label", "labels", "fine_label")]
+    label_cols = [k for k, v in features.items() if isinstance(v, datasets.ClassLabel)] or [
+        k for k in features if k in ("label", "labels", "fine_label")
+    ]
     if not image_cols or not label_cols:
         raise CifarDataError(f"expected an image column and a label column, got features {dict(features)}")
     return image_cols[0], label_cols[0]
 
 
 def _decode_split(ds):
-    from PIL import Image  # datasets needs Pillow for image columns too
     import datasets
+    from PIL import Image  # datasets needs Pillow for image columns too
+
     img_col, label_col = _columns(ds.features)
     # Decode ourselves from the raw PNG bytes: one pass, no PIL objects kept around.
     raw = ds.cast_column(img_col, datasets.Image(decode=False)).with_format("arrow")[:]
-    images = np.stack([np.asarray(Image.open(io.BytesIO(x["bytes"])).convert("RGB"))
-                       for x in raw.column(img_col).to_pylist()])
+    images = np.stack(
+        [np.asarray(Image.open(io.BytesIO(x["bytes"])).convert("RGB")) for x in raw.column(img_col).to_pylist()]
+    )
     labels = raw.column(label_col).to_numpy().astype(np.int64)
     if images.shape[1:] != (32, 32, 3):
         raise CifarDataError(f"expected 32x32 RGB images, got {images.shape[1:]}")
@@ -95,6 +104,7 @@ def _decode_split(ds):
 
 def _load_hub_layout(source):
     import datasets
+
     try:
         dsd = datasets.load_dataset(source)
     except Exception as e:  # ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
@@ -128,7 +138,8 @@ def _cache_key(source):
 
 def default_cache_dir():
     base = os.environ.get("ACCEL_TRAINER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "accel-trainer")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "accel-trainer"
+    )
     return os.path.join(base, "cifar10")
 
 
@@ -146,8 +157,11 @@ def load_cifar10(source=DEFAULT_DATASET, cache_dir=None, use_cache=True):
         if not os.path.isdir(path):
             raise CifarDataError(_how_to_supply(source) + f"\n({path!r} is not a folder.)")
     cache = os.path.join(cache_dir or default_cache_dir(), _cache_key(source)) if use_cache else None
-    files = {s: (os.path.join(cache, f"{s}_images.npy"), os.path.join(cache, f"{s}_labels.npy"))
-             for s in SPLITS} if cache else {}
+    files = (
+        {s: (os.path.join(cache, f"{s}_images.npy"), os.path.join(cache, f"{s}_labels.npy")) for s in SPLITS}
+        if cache
+        else {}
+    )
     if cache and all(os.path.exists(p) for pair in files.values() for p in pair):
         return {s: (np.load(xi), np.load(yi)) for s, (xi, yi) in files.items()}
 
@@ -179,11 +193,11 @@ def augment_gather(images, index, flip, dy, dx, pad):
         i = i.abs()
         return torch.where(i >= size, 2 * (size - 1) - i, i)
 
-    rows = reflect(ar[None, :] + dy[:, None])                                        # [B, H]
-    cols = reflect(ar[None, :] + dx[:, None])                                        # [B, W], in flipped coords
-    cols = torch.where(flip[:, None], size - 1 - cols, cols)                         # back to source coords
+    rows = reflect(ar[None, :] + dy[:, None])  # [B, H]
+    cols = reflect(ar[None, :] + dx[:, None])  # [B, W], in flipped coords
+    cols = torch.where(flip[:, None], size - 1 - cols, cols)  # back to source coords
     del pad  # the range of dy/dx is the caller's business; kept in the signature for readability
-    return images[index[:, None, None], rows[:, :, None], cols[:, None, :]]        # [B, H, W, C]
+    return images[index[:, None, None], rows[:, :, None], cols[:, None, :]]  # [B, H, W, C]
 
 
 def normalize(images_nhwc_uint8, dtype=torch.float32):
@@ -210,13 +224,27 @@ class DeviceLoader:
     or "none".
     """
 
-    def __init__(self, images, labels, batch_size, *, train, device="cpu", seed=0, rank=0, world_size=1,
-                 flip="alternate", translate=2, drop_last=False, dtype=torch.float32):
+    def __init__(
+        self,
+        images,
+        labels,
+        batch_size,
+        *,
+        train,
+        device="cpu",
+        seed=0,
+        rank=0,
+        world_size=1,
+        flip="alternate",
+        translate=2,
+        drop_last=False,
+        dtype=torch.float32,
+    ):
         if flip not in ("alternate", "random", "none"):
             raise ValueError(f"flip must be 'alternate', 'random' or 'none', got {flip!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in a world of {world_size}")
-        self.images = torch.as_tensor(images).to(device)                 # uint8 [N, 32, 32, 3]: 150 MB for train
+        self.images = torch.as_tensor(images).to(device)  # uint8 [N, 32, 32, 3]: 150 MB for train
         self.labels = torch.as_tensor(labels, dtype=torch.int64).to(device)
         self.batch_size, self.train, self.device = int(batch_size), train, torch.device(device)
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)

@@ -16,19 +16,29 @@ Matthews correlation for CoLA, Pearson + Spearman for STS-B, accuracy otherwise.
 import functools
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from accel_trainer.text import (MissingInputError, length_grouped_train, load_config, load_pretrained,
-                                load_text_dataset, load_tokenizer)
+from accel_trainer.text import (
+    MissingInputError,
+    length_grouped_train,
+    load_config,
+    load_pretrained,
+    load_text_dataset,
+    load_tokenizer,
+)
 
 name = "glue"
 # Accelerate's nlp_example.py hyper-parameters (flags override them): batch 16 (eval 32), 3 epochs,
 # lr 2e-5 with 100 warm-up steps then linear decay; eval at the end of each epoch.
-defaults = {"per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "num_train_epochs": 3,
-            "learning_rate": 2e-5, "warmup_steps": 100}
+defaults = {
+    "per_device_train_batch_size": 16,
+    "per_device_eval_batch_size": 32,
+    "num_train_epochs": 3,
+    "learning_rate": 2e-5,
+    "warmup_steps": 100,
+}
 
 # (first text column, second text column or None) per GLUE task, as in transformers' run_glue.py
 TASK_TO_KEYS = {
@@ -50,34 +60,50 @@ EVAL_SPLIT = {"mnli": "validation_matched"}  # MNLI has no plain "validation" sp
 class Args:
     model_name_or_path: str = field(
         default="bert-base-cased",
-        metadata={"help": "Hub id or local folder (save_pretrained) of the model; its tokenizer too unless "
-                          "--tokenizer_name. Ignored for weights when --config_name is given."})
-    config_name: Optional[str] = field(
+        metadata={
+            "help": "Hub id or local folder (save_pretrained) of the model; its tokenizer too unless "
+            "--tokenizer_name. Ignored for weights when --config_name is given."
+        },
+    )
+    config_name: str | None = field(
         default=None,
-        metadata={"help": "Train from scratch: a Hub id or folder of a config; weights are randomly initialised."})
-    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Hub id or folder of the tokenizer."})
+        metadata={"help": "Train from scratch: a Hub id or folder of a config; weights are randomly initialised."},
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Hub id or folder of the tokenizer."})
     dataset_name: str = field(
-        default="nyu-mll/glue", metadata={"help": "Hub id or local folder in Hub layout (e.g. ../shared/data/glue)."})
+        default="nyu-mll/glue", metadata={"help": "Hub id or local folder in Hub layout (e.g. ../shared/data/glue)."}
+    )
     task_name: str = field(default="mrpc", metadata={"help": f"GLUE task: {', '.join(TASK_TO_KEYS)}."})
-    eval_split: Optional[str] = field(
-        default=None, metadata={"help": "Split to evaluate on. Default: validation (validation_matched for mnli)."})
+    eval_split: str | None = field(
+        default=None, metadata={"help": "Split to evaluate on. Default: validation (validation_matched for mnli)."}
+    )
     max_seq_length: int = field(default=128, metadata={"help": "Truncate pairs to this many tokens."})
-    pad_to_multiple_of: Optional[int] = field(
-        default=None, metadata={"help": "Pad each batch to a multiple of this (8 helps fp16 tensor cores)."})
+    pad_to_multiple_of: int | None = field(
+        default=None, metadata={"help": "Pad each batch to a multiple of this (8 helps fp16 tensor cores)."}
+    )
     group_by_length: bool = field(
-        default=False, metadata={"help": "Train on batches of similar length (less padding, faster); the order "
-                                         "is still a function of seed and epoch only."})
-    cache_dir: Optional[str] = field(
-        default=None, metadata={"help": "Where downloaded models/datasets and the tokenised cache go "
-                                        "(default: the Hugging Face caches)."})
+        default=False,
+        metadata={
+            "help": "Train on batches of similar length (less padding, faster); the order "
+            "is still a function of seed and epoch only."
+        },
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where downloaded models/datasets and the tokenised cache go (default: the Hugging Face caches)."
+        },
+    )
 
     def __post_init__(self):
         if self.task_name not in TASK_TO_KEYS:
-            raise ValueError(f"--task_name {self.task_name!r} is not a GLUE task; use one of {', '.join(TASK_TO_KEYS)}.")
+            raise ValueError(
+                f"--task_name {self.task_name!r} is not a GLUE task; use one of {', '.join(TASK_TO_KEYS)}."
+            )
 
 
-@functools.lru_cache(maxsize=None)
-def _tokenizer(name_or_path: str, cache_dir: Optional[str] = None):
+@functools.cache
+def _tokenizer(name_or_path: str, cache_dir: str | None = None):
     # Cached: build_model, build_data and collate all need the same tokenizer; load it once per process.
     tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path", cache_dir=cache_dir)
     if tok.pad_token is None:  # GPT-2 style tokenizers have no pad token; padding is masked out anyway
@@ -98,8 +124,9 @@ def build_model(args, targs):
         model = AutoModelForSequenceClassification.from_config(config)
     else:
         # A base checkpoint (e.g. bert-base-cased) gets a freshly initialised classifier head of num_labels.
-        model = load_pretrained(AutoModelForSequenceClassification, args.model_name_or_path,
-                                num_labels=num_labels, cache_dir=args.cache_dir)
+        model = load_pretrained(
+            AutoModelForSequenceClassification, args.model_name_or_path, num_labels=num_labels, cache_dir=args.cache_dir
+        )
     if model.config.pad_token_id is None:
         # Models like GPT-2 find the last real token of each row by looking for the pad id.
         model.config.pad_token_id = tokenizer_for(args).pad_token_id
@@ -118,8 +145,10 @@ def build_data(args, targs, accelerator):
     eval_split = args.eval_split or EVAL_SPLIT.get(args.task_name, "validation")
     for split in ("train", eval_split):
         if split not in raw:
-            raise MissingInputError(f"dataset {args.dataset_name!r} ({args.task_name}) has no {split!r} split; "
-                                    f"it has {list(raw)}. Pass --eval_split one of those.")
+            raise MissingInputError(
+                f"dataset {args.dataset_name!r} ({args.task_name}) has no {split!r} split; "
+                f"it has {list(raw)}. Pass --eval_split one of those."
+            )
     key1, key2 = TASK_TO_KEYS[args.task_name]
 
     def tokenize(batch):
@@ -132,8 +161,12 @@ def build_data(args, targs, accelerator):
     # function), so the next run -- and the other ranks, which wait for the main process -- load the cache.
     with accelerator.main_process_first():
         splits = {
-            k: ds.map(tokenize, batched=True, remove_columns=[c for c in ds.column_names if c != "label"],
-                      desc=f"tokenizing {k}")
+            k: ds.map(
+                tokenize,
+                batched=True,
+                remove_columns=[c for c in ds.column_names if c != "label"],
+                desc=f"tokenizing {k}",
+            )
             for k, ds in splits.items()
         }
     splits = {k: ds.rename_column("label", "labels") for k, ds in splits.items()}
@@ -165,8 +198,12 @@ def eval_step(model, batch):
         per_example = F.cross_entropy(logits.float(), labels, reduction="none")
     # Per-example losses, not the batch mean: when the world size doesn't divide the split, Accelerate pads
     # the last batches with repeated examples and gather_for_metrics drops them -- exact only per example.
-    return {"loss": per_example, "n_items": torch.ones_like(per_example), "predictions": predictions,
-            "references": labels}
+    return {
+        "loss": per_example,
+        "n_items": torch.ones_like(per_example),
+        "predictions": predictions,
+        "references": labels,
+    }
 
 
 def build_metrics(args):

@@ -41,8 +41,12 @@ defaults = {"learning_rate": 1e-2, "per_device_train_batch_size": 16, "num_train
 
 
 def build_model(args: Args, targs) -> nn.Module:
-    return nn.Sequential(nn.Linear(args.num_features, args.hidden_size), nn.Tanh(), nn.Dropout(args.dropout),
-                         nn.Linear(args.hidden_size, args.num_targets))
+    return nn.Sequential(
+        nn.Linear(args.num_features, args.hidden_size),
+        nn.Tanh(),
+        nn.Dropout(args.dropout),
+        nn.Linear(args.hidden_size, args.num_targets),
+    )
 
 
 def _synthetic(args: Args, n: int, seed: int) -> dict:
@@ -56,8 +60,10 @@ def _synthetic(args: Args, n: int, seed: int) -> dict:
 
 def _from_file(path: str):
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"Data file {path} does not exist. Pass --train_file/--eval_file with JSON lines "
-                                "holding x, y (and mask), or leave them out for synthetic data.")
+        raise FileNotFoundError(
+            f"Data file {path} does not exist. Pass --train_file/--eval_file with JSON lines "
+            "holding x, y (and mask), or leave them out for synthetic data."
+        )
     import datasets
 
     ds = datasets.load_dataset("json", data_files=path, split="train")
@@ -83,7 +89,9 @@ def build_data(args: Args, targs, accelerator) -> dict:
         evald = _from_file(args.eval_file) if args.eval_file else None
     else:
         train = TensorDict(_synthetic(args, args.num_train_samples, args.data_seed + 1))
-        evald = TensorDict(_synthetic(args, args.num_eval_samples, args.data_seed + 2)) if args.num_eval_samples else None
+        evald = (
+            TensorDict(_synthetic(args, args.num_eval_samples, args.data_seed + 2)) if args.num_eval_samples else None
+        )
     return {"train": train, "eval": evald}
 
 
@@ -97,8 +105,12 @@ def eval_step(model, batch):
     pred = model(batch["x"].float())
     err = (pred - batch["y"].float()) ** 2 * batch["mask"]
     # Per-sample sums and counts: exact eval_loss however samples fall into batches and ranks.
-    return {"loss": err.sum(1), "n_items": batch["mask"].sum(1), "predictions": pred[:, 0],
-            "references": batch["y"][:, 0].float()}
+    return {
+        "loss": err.sum(1),
+        "n_items": batch["mask"].sum(1),
+        "predictions": pred[:, 0],
+        "references": batch["y"][:, 0].float(),
+    }
 
 
 def build_metrics(args: Args) -> dict:

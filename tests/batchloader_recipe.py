@@ -17,7 +17,14 @@ class ShardLoader:
     """Global batches of batch_size x world_size, each split into per-rank parts of unequal size (no padding)."""
 
     def __init__(self, tensors, batch_size, rank, world, seed, shuffle):
-        self.t, self.bs, self.rank, self.world, self.seed, self.shuffle = tensors, batch_size, rank, world, seed, shuffle
+        self.t, self.bs, self.rank, self.world, self.seed, self.shuffle = (
+            tensors,
+            batch_size,
+            rank,
+            world,
+            seed,
+            shuffle,
+        )
         self.n = len(tensors["x"])
         self.epoch = 0
 
@@ -28,10 +35,13 @@ class ShardLoader:
         self.epoch = epoch
 
     def __iter__(self):
-        order = (torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-                 if self.shuffle else torch.arange(self.n))
+        order = (
+            torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            if self.shuffle
+            else torch.arange(self.n)
+        )
         for start in range(0, self.n, self.bs * self.world):
-            part = order[start:start + self.bs * self.world].tensor_split(self.world)[self.rank]
+            part = order[start : start + self.bs * self.world].tensor_split(self.world)[self.rank]
             yield {k: v[part] for k, v in self.t.items()}
 
 
@@ -39,8 +49,10 @@ def build_data(args, targs, accelerator):
     r, w = accelerator.process_index, accelerator.num_processes
     train = regression._synthetic(args, args.num_train_samples, args.data_seed + 1)
     evald = regression._synthetic(args, args.num_eval_samples, args.data_seed + 2)
-    return {"train": ShardLoader(train, targs.per_device_train_batch_size, r, w, targs.seed, True),
-            "eval": ShardLoader(evald, targs.per_device_eval_batch_size, r, w, targs.seed, False)}
+    return {
+        "train": ShardLoader(train, targs.per_device_train_batch_size, r, w, targs.seed, True),
+        "eval": ShardLoader(evald, targs.per_device_eval_batch_size, r, w, targs.seed, False),
+    }
 
 
 if __name__ == "__main__":

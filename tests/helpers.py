@@ -23,8 +23,16 @@ def free_port() -> int:
 
 def env(**extra) -> dict:
     e = dict(os.environ)
-    e.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM":
-              "false", "PYTHONUNBUFFERED": "1", "ACCELERATE_DISABLE_RICH": "1"})
+    e.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "ACCELERATE_DISABLE_RICH": "1",
+        }
+    )
     e.pop("WORLD_SIZE", None)
     e.update(extra)
     return e
@@ -34,16 +42,44 @@ def launch_cmd(nproc: int, port: int | None = None) -> list[str]:
     """`accelerate launch` for nproc CPU processes that truly form one world (see accelerate_configs/README.md)."""
     if nproc == 1:
         return [sys.executable]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port or free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(nproc),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port or free_port()),
+    ]
 
 
-def run(script: str, args: list[str], nproc: int = 1, timeout: float = 240, check: bool = True, cwd=None,
-        extra_env: dict | None = None) -> subprocess.CompletedProcess:
+def run(
+    script: str,
+    args: list[str],
+    nproc: int = 1,
+    timeout: float = 240,
+    check: bool = True,
+    cwd=None,
+    extra_env: dict | None = None,
+) -> subprocess.CompletedProcess:
     script = script if os.path.isabs(script) else os.path.join(RECIPES, script)
-    proc = subprocess.run(launch_cmd(nproc) + [script] + [str(a) for a in args], capture_output=True, text=True,
-                          timeout=timeout, env=env(**(extra_env or {})), cwd=cwd or ROOT)
+    proc = subprocess.run(
+        launch_cmd(nproc) + [script] + [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(**(extra_env or {})),
+        cwd=cwd or ROOT,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
     return proc

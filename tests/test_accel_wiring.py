@@ -10,8 +10,14 @@ from accel_trainer.accel import build_accelerator
 
 
 def test_kwargs_handlers_carry_the_arguments(tmp_path):
-    args = TrainingArguments(output_dir=str(tmp_path), ddp_comm_hook="power_sgd", powersgd_rank=4,
-                             ddp_find_unused_parameters=True, ddp_timeout=77, torch_compile=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        ddp_comm_hook="power_sgd",
+        powersgd_rank=4,
+        ddp_find_unused_parameters=True,
+        ddp_timeout=77,
+        torch_compile=True,
+    )
     acc = build_accelerator(args)
     assert acc.ddp_handler.comm_hook == DDPCommunicationHookType.POWER_SGD
     assert acc.ddp_handler.comm_state_option == {"matrix_approximation_rank": 4}
@@ -41,8 +47,23 @@ def test_console_script_train(tmp_path):
     from helpers import RECIPES, env
 
     out = tmp_path / "o"
-    proc = subprocess.run([sys.executable, "-m", "accel_trainer.cli", "train", f"{RECIPES}/regression.py",
-                           "--output_dir", str(out), "--max_steps", "2", "--disable_tqdm"],
-                          capture_output=True, text=True, timeout=120, env=env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accel_trainer.cli",
+            "train",
+            f"{RECIPES}/regression.py",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--disable_tqdm",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "model.safetensors").exists()

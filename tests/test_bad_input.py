@@ -4,7 +4,6 @@ import os
 import sys
 
 import pytest
-
 from helpers import RECIPES, run
 
 sys.path.insert(0, RECIPES)
@@ -36,8 +35,7 @@ def test_missing_data_path(capsys, tmp_path):
 
 
 def test_missing_resume_path(capsys, tmp_path):
-    code, err = fail(["--output_dir", str(tmp_path / "o"), "--resume_from_checkpoint", str(tmp_path / "gone")],
-                     capsys)
+    code, err = fail(["--output_dir", str(tmp_path / "o"), "--resume_from_checkpoint", str(tmp_path / "gone")], capsys)
     assert code == 1 and "gone" in err and "'latest'" in err
 
 
@@ -55,8 +53,10 @@ def test_previous_run_is_not_overwritten(capsys, tmp_path):
     assert "--resume_from_checkpoint latest" in err and "--overwrite_output_dir" in err
     assert {f: (out / f).read_bytes() for f in before} == before
     # and the flag it names does start over
-    run_recipe(regression, ["--output_dir", str(out), "--max_steps", "2", "--disable_tqdm", "--save_steps", "0",
-                            "--overwrite_output_dir"])
+    run_recipe(
+        regression,
+        ["--output_dir", str(out), "--max_steps", "2", "--disable_tqdm", "--save_steps", "0", "--overwrite_output_dir"],
+    )
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and all('"step": 2' in line for line in lines)  # the old run's log is gone
 

@@ -13,9 +13,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from text_fixtures import (OneProcess, load_recipe_module, make_text_files, make_tiny_gpt2, read_jsonl,
-                           run_recipe, targs)
+from text_fixtures import OneProcess, load_recipe_module, make_text_files, make_tiny_gpt2, read_jsonl, run_recipe, targs
 
 clm = load_recipe_module("causal_lm")
 
@@ -25,7 +23,9 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("clm")
     train, valid = make_text_files(str(root / "text"))
     return {
-        "root": root, "train": train, "valid": valid,
+        "root": root,
+        "train": train,
+        "valid": valid,
         "model": make_tiny_gpt2(str(root / "tiny-gpt2")),
         "config_only": make_tiny_gpt2(str(root / "tiny-gpt2-config"), weights=False),
         "cache": str(root / "cache"),
@@ -33,8 +33,13 @@ def env(tmp_path_factory):
 
 
 def args(env, **kw):
-    base = dict(model_name_or_path=env["model"], train_file=env["train"], validation_file=env["valid"],
-                block_size=16, cache_dir=env["cache"])
+    base = dict(
+        model_name_or_path=env["model"],
+        train_file=env["train"],
+        validation_file=env["valid"],
+        block_size=16,
+        cache_dir=env["cache"],
+    )
     return clm.Args(**{**base, **kw})
 
 
@@ -44,8 +49,9 @@ def test_packing_cuts_the_token_stream_into_full_blocks(env):
     data = clm.build_data(a, targs(), OneProcess())
     tok = clm.tokenizer_for(a)
     with open(env["train"]) as f:  # text files keep their line breaks when packed
-        stream = [t for line in f.read().splitlines(keepends=True)
-                  for t in tok(line, add_special_tokens=False)["input_ids"]]
+        stream = [
+            t for line in f.read().splitlines(keepends=True) for t in tok(line, add_special_tokens=False)["input_ids"]
+        ]
     blocks = data["train"]["input_ids"]
     assert {len(b) for b in blocks} == {16}
     packed = [t for b in blocks for t in b]
@@ -108,8 +114,7 @@ def test_missing_inputs_give_a_clear_error(env):
     with pytest.raises(MissingInputError, match=r"model path .*no-model.* does not exist.*--model_name_or_path"):
         clm.build_model(args(env, model_name_or_path=str(env["root"] / "no-model")), targs())
     with pytest.raises(MissingInputError, match=r"tokenizer path .*no-tok.* does not exist"):
-        clm.build_model(args(env, config_name=env["config_only"], tokenizer_name=str(env["root"] / "no-tok")),
-                        targs())
+        clm.build_model(args(env, config_name=env["config_only"], tokenizer_name=str(env["root"] / "no-tok")), targs())
     with pytest.raises(ValueError, match="--train_file"):
         clm.Args(model_name_or_path=env["model"])
 
@@ -117,13 +122,44 @@ def test_missing_inputs_give_a_clear_error(env):
 # ----------------------------------------------------------------------------------------------- end to end
 def test_from_scratch_end_to_end(env, tmp_path):
     out = tmp_path / "out"
-    proc = run_recipe("causal_lm", [
-        "--config_name", env["config_only"], "--tokenizer_name", env["config_only"], "--train_file", env["train"],
-        "--block_size", "32", "--output_dir", str(out), "--max_steps", "30", "--learning_rate", "3e-3",
-        "--per_device_train_batch_size", "8", "--logging_steps", "5", "--eval_steps", "15", "--save_steps", "0",
-        "--disable_tqdm", "--sample_prompt", "the cat", "--sample_max_new_tokens", "8", "--seed", "1",
-        "--mixed_precision", "bf16", "--gradient_checkpointing",  # through the Trainer, for transformers models
-    ], tmp_path)
+    proc = run_recipe(
+        "causal_lm",
+        [
+            "--config_name",
+            env["config_only"],
+            "--tokenizer_name",
+            env["config_only"],
+            "--train_file",
+            env["train"],
+            "--block_size",
+            "32",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "30",
+            "--learning_rate",
+            "3e-3",
+            "--per_device_train_batch_size",
+            "8",
+            "--logging_steps",
+            "5",
+            "--eval_steps",
+            "15",
+            "--save_steps",
+            "0",
+            "--disable_tqdm",
+            "--sample_prompt",
+            "the cat",
+            "--sample_max_new_tokens",
+            "8",
+            "--seed",
+            "1",
+            "--mixed_precision",
+            "bf16",
+            "--gradient_checkpointing",  # through the Trainer, for transformers models
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((out / "run_config.json").read_text())
     assert config["topology"]["mixed_precision"] == "bf16" and config["args"]["gradient_checkpointing"]
@@ -137,8 +173,7 @@ def test_from_scratch_end_to_end(env, tmp_path):
         assert e["eval_sample"].startswith("the cat") and len(e["eval_sample"]) > len("the cat")
     assert "[sample @ step 30] 'the cat" in proc.stdout
     # plain weights that load back into the model built from the same config
-    model = clm.build_model(args(env, config_name=env["config_only"], tokenizer_name=env["config_only"]),
-                            targs())
+    model = clm.build_model(args(env, config_name=env["config_only"], tokenizer_name=env["config_only"]), targs())
     missing, unexpected = model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
     # the output projection is tied to the input embedding: safetensors stores the shared tensor once
     assert not unexpected and len(missing) <= 1 and set(missing) <= {"lm_head.weight", "transformer.wte.weight"}
@@ -151,24 +186,64 @@ def test_from_scratch_end_to_end(env, tmp_path):
 # summation order -- i.e. the world size -- changes that noise; with eps 1e-8 Adam turns it into weight
 # differences up to 0.1 x lr (measured: 1e-4 in an MLP projection for one of four initialisations). eps 1e-6 keeps
 # it below 1e-6 (measured) while real gradients, orders of magnitude above eps, are scaled as before.
-PARITY = ["--packing", "false", "--block_size", "64", "--max_steps", "4", "--learning_rate", "1e-3",
-          "--adam_epsilon", "1e-6",
-          "--logging_steps", "1", "--save_steps", "0", "--disable_tqdm", "--sample_max_new_tokens", "0",
-          "--seed", "3", "--per_device_eval_batch_size", "3", "--eval_steps", "2"]
+PARITY = [
+    "--packing",
+    "false",
+    "--block_size",
+    "64",
+    "--max_steps",
+    "4",
+    "--learning_rate",
+    "1e-3",
+    "--adam_epsilon",
+    "1e-6",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "0",
+    "--disable_tqdm",
+    "--sample_max_new_tokens",
+    "0",
+    "--seed",
+    "3",
+    "--per_device_eval_batch_size",
+    "3",
+    "--eval_steps",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
 def parity_runs(env):
     runs, cache_files = {}, {}
-    common = ["--model_name_or_path", env["model"], "--train_file", env["train"], "--validation_file",
-              env["valid"], "--cache_dir", env["cache"] + "-parity"] + PARITY
+    common = [
+        "--model_name_or_path",
+        env["model"],
+        "--train_file",
+        env["train"],
+        "--validation_file",
+        env["valid"],
+        "--cache_dir",
+        env["cache"] + "-parity",
+    ] + PARITY
     # 1 process x batch 16 (no accumulation) vs 2 processes x batch 4 x accumulation 2: one global batch of 16
     # lines per update, split into micro-batches whose target-token counts differ.
     for name, nproc, bs, acc in (("1x16x1", 1, 16, 1), ("2x4x2", 2, 4, 2)):
         out = env["root"] / f"parity-{name}"
-        proc = run_recipe("causal_lm", common + ["--output_dir", str(out), "--per_device_train_batch_size",
-                                                 str(bs), "--gradient_accumulation_steps", str(acc)],
-                          env["root"], nproc=nproc)
+        proc = run_recipe(
+            "causal_lm",
+            common
+            + [
+                "--output_dir",
+                str(out),
+                "--per_device_train_batch_size",
+                str(bs),
+                "--gradient_accumulation_steps",
+                str(acc),
+            ],
+            env["root"],
+            nproc=nproc,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = out
         cache_files[name] = sorted(glob.glob(env["cache"] + "-parity/**/cache-*.arrow", recursive=True))
@@ -220,11 +295,14 @@ def test_a_hub_id_that_cannot_be_reached_is_a_clear_error(tmp_path):
 
     from text_fixtures import offline_env
 
-    code = ("from transformers import AutoModelForCausalLM\n"
-            "from accel_trainer.text import load_pretrained\n"
-            "load_pretrained(AutoModelForCausalLM, 'no-such-org/no-such-model')\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=offline_env(tmp_path), capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "from transformers import AutoModelForCausalLM\n"
+        "from accel_trainer.text import load_pretrained\n"
+        "load_pretrained(AutoModelForCausalLM, 'no-such-org/no-such-model')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=offline_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0
     assert "MissingInputError: could not load the model from Hub id 'no-such-org/no-such-model'" in proc.stderr
     assert "--model_name_or_path a folder written by `save_pretrained`" in proc.stderr

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from helpers import ROOT, env, free_port
+
 from accel_trainer import preflight, wizard
 
 CHECK = [sys.executable, "-m", "accel_trainer.cli", "check"]
@@ -17,9 +17,22 @@ CONFIGS = os.path.join(ROOT, "accelerate_configs")
 
 
 def test_collective_across_two_cpu_processes():
-    proc = subprocess.run(CHECK + ["--config_file", "accelerate_configs/cpu_2proc.yaml", "--main_process_port",
-                                   str(free_port()), "--timeout", "30"],
-                          capture_output=True, text=True, timeout=150, env=env(), cwd=ROOT)
+    proc = subprocess.run(
+        CHECK
+        + [
+            "--config_file",
+            "accelerate_configs/cpu_2proc.yaml",
+            "--main_process_port",
+            str(free_port()),
+            "--timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env(),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 machine(s) x 2 CPU process(es) per machine = 2 processes in total" in proc.stdout
     assert "[ ok ] collective OK: 2 processes on 1 machine(s) (2 per machine), backend gloo" in proc.stdout
@@ -28,13 +41,39 @@ def test_collective_across_two_cpu_processes():
 
 def test_collective_across_two_machines_on_loopback(tmp_path):
     port = free_port()
-    assert wizard.main(["--dir", str(tmp_path), "--name", "two", "--no-interactive", "--machines", "2",
-                        "--processes-per-machine", "1", "--cpu", "--main-ip", "127.0.0.1", "--main-port",
-                        str(port)]) == 0
+    assert (
+        wizard.main(
+            [
+                "--dir",
+                str(tmp_path),
+                "--name",
+                "two",
+                "--no-interactive",
+                "--machines",
+                "2",
+                "--processes-per-machine",
+                "1",
+                "--cpu",
+                "--main-ip",
+                "127.0.0.1",
+                "--main-port",
+                str(port),
+            ]
+        )
+        == 0
+    )
     cfg = str(tmp_path / "two.yaml")
-    procs = [subprocess.Popen(CHECK + ["--config_file", cfg, "--machine_rank", str(r), "--timeout", "40"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT)
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            CHECK + ["--config_file", cfg, "--machine_rank", str(r), "--timeout", "40"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env(),
+            cwd=ROOT,
+        )
+        for r in (0, 1)
+    ]
     outs = []
     for p in procs:
         try:
@@ -76,9 +115,27 @@ def test_busy_port_on_machine_0_and_rank_out_of_range(tmp_path, capsys):
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert wizard.main(["--dir", str(tmp_path), "--name", "two", "--no-interactive", "--machines", "2",
-                            "--processes-per-machine", "1", "--cpu", "--main-ip", "127.0.0.1", "--main-port",
-                            str(port)]) == 0
+        assert (
+            wizard.main(
+                [
+                    "--dir",
+                    str(tmp_path),
+                    "--name",
+                    "two",
+                    "--no-interactive",
+                    "--machines",
+                    "2",
+                    "--processes-per-machine",
+                    "1",
+                    "--cpu",
+                    "--main-ip",
+                    "127.0.0.1",
+                    "--main-port",
+                    str(port),
+                ]
+            )
+            == 0
+        )
         capsys.readouterr()
         assert preflight.main(["--config_file", str(tmp_path / "two.yaml"), "--machine_rank", "0"]) == 1
         out = capsys.readouterr().out
@@ -90,8 +147,18 @@ def test_busy_port_on_machine_0_and_rank_out_of_range(tmp_path, capsys):
 def test_unresolvable_main_address_and_stale_env(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "nosuchif0")
-    assert preflight.main(["--config_file", os.path.join(CONFIGS, "gpu_2x8_bf16_static.yaml"),
-                           "--machine_rank", "1", "--no-collective"]) == 1
+    assert (
+        preflight.main(
+            [
+                "--config_file",
+                os.path.join(CONFIGS, "gpu_2x8_bf16_static.yaml"),
+                "--machine_rank",
+                "1",
+                "--no-collective",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "[FAIL] cannot resolve 'machine0.invalid'" in out
     assert "[warn] WORLD_SIZE exported in this shell" in out

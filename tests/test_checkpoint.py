@@ -10,9 +10,8 @@ import types
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from helpers import RECIPES
+from safetensors.torch import load_file
 
 sys.path.insert(0, RECIPES)
 import regression  # noqa: E402
@@ -59,8 +58,9 @@ def test_manifest_lists_every_file_with_size_and_sha256(trained):
     assert (m["step"], m["epoch"], m["batch_in_epoch"], m["num_processes"]) == (8, 0, 8, 1)
     on_disk = sorted(f for f in os.listdir(root / "step_8") if f != "manifest.json")
     assert sorted(m["files"]) == on_disk
-    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
-            "trainer_state.json"} <= set(on_disk)
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "trainer_state.json"} <= set(
+        on_disk
+    )
     for name, meta in m["files"].items():
         data = open(root / "step_8" / name, "rb").read()
         assert meta["size"] == len(data) and meta["sha256"] == hashlib.sha256(data).hexdigest()
@@ -116,8 +116,11 @@ def test_pickle_that_runs_code_is_refused_and_not_run(trained, tmp_path, victim)
     torch.save({"state": _Payload(str(marker))}, folder / victim)
     rehash(folder)  # the manifest matches: safety must not rest on the hashes
     # The payload is live: an unsafe load (weights_only=False) in another process runs it.
-    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(folder / victim)!r}, weights_only=False)"],
-                   timeout=120, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", f"import torch; torch.load({str(folder / victim)!r}, weights_only=False)"],
+        timeout=120,
+        capture_output=True,
+    )
     assert marker.exists()
     marker.unlink()
     with pytest.raises(CheckpointError, match=rf"{victim}.*cannot be loaded safely.*not run"):
@@ -129,10 +132,18 @@ def test_pickle_that_runs_code_is_refused_and_not_run(trained, tmp_path, victim)
 
 
 def test_other_model_shape_is_refused_naming_tensor(trained):
-    with pytest.raises(CheckpointError, match=r"model\.safetensors does not fit this model \(0\.weight: \(32, 16\) "
-                                              r"in the checkpoint, \(64, 16\)"):
-        make(trained, regression, regression.Args(hidden_size=64), max_steps=16,
-             resume_from_checkpoint=str(trained / "checkpoints" / "step_8"))
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors does not fit this model \(0\.weight: \(32, 16\) "
+        r"in the checkpoint, \(64, 16\)",
+    ):
+        make(
+            trained,
+            regression,
+            regression.Args(hidden_size=64),
+            max_steps=16,
+            resume_from_checkpoint=str(trained / "checkpoints" / "step_8"),
+        )
 
 
 def test_other_world_size_is_refused(trained, tmp_path):
@@ -172,8 +183,12 @@ def _nan_recipe(at_update: int):
         calls["n"] += 1
         return (value * float("nan") if calls["n"] == at_update else value), n
 
-    rec = types.SimpleNamespace(**{k: getattr(regression, k) for k in
-                                   ("Args", "build_model", "build_data", "eval_step", "build_metrics", "defaults")})
+    rec = types.SimpleNamespace(
+        **{
+            k: getattr(regression, k)
+            for k in ("Args", "build_model", "build_data", "eval_step", "build_metrics", "defaults")
+        }
+    )
     rec.loss, rec.name = loss, "regression_nan"
     return rec
 

@@ -4,6 +4,7 @@ In-process: the loading code (Hub layout vs pickle folder), the device loader's 
 the whitening init, lookahead and the lr units. Subprocesses (as users run it): 1 process and `accelerate launch`
 with 2 processes end to end, and the missing-dataset error.
 """
+
 import io
 import json
 import os
@@ -34,8 +35,8 @@ def tiny_arrays(n, seed):
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, n)
     images = rng.integers(0, 80, (n, 32, 32, 3)).astype(np.int64)
-    images[np.arange(n), 3 * labels] += 150                       # a bright row whose position is the class
-    images[..., 0] += (labels * 10)[:, None, None]               # and a class-dependent red tint
+    images[np.arange(n), 3 * labels] += 150  # a bright row whose position is the class
+    images[..., 0] += (labels * 10)[:, None, None]  # and a class-dependent red tint
     return images.clip(0, 255).astype(np.uint8), labels.astype(np.int64)
 
 
@@ -44,7 +45,9 @@ def write_hub_layout(root, train, test):
     import datasets
     from PIL import Image
 
-    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=list(cifar_data.CLASSES))})
+    features = datasets.Features(
+        {"img": datasets.Image(), "label": datasets.ClassLabel(names=list(cifar_data.CLASSES))}
+    )
     os.makedirs(os.path.join(root, "plain_text"), exist_ok=True)
     for split, (x, y) in (("train", train), ("test", test)):
         pngs = []
@@ -55,8 +58,10 @@ def write_hub_layout(root, train, test):
         ds = datasets.Dataset.from_dict({"img": pngs, "label": y.tolist()}, features=features)
         ds.to_parquet(os.path.join(root, "plain_text", f"{split}-00000-of-00001.parquet"))
     with open(os.path.join(root, "README.md"), "w") as f:
-        f.write("---\nconfigs:\n- config_name: plain_text\n  data_files:\n  - split: train\n    path: plain_text/train-*\n"
-                "  - split: test\n    path: plain_text/test-*\n  default: true\n---\n# tiny CIFAR-10 for tests\n")
+        f.write(
+            "---\nconfigs:\n- config_name: plain_text\n  data_files:\n  - split: train\n    path: plain_text/train-*\n"
+            "  - split: test\n    path: plain_text/test-*\n  default: true\n---\n# tiny CIFAR-10 for tests\n"
+        )
 
 
 def write_pickle_folder(root, train, test):
@@ -89,7 +94,7 @@ def test_hub_layout_and_pickle_folder_load_the_same_arrays(tiny, tmp_path):
     pkl = load_cifar10(tiny["pickle"], cache_dir=str(tmp_path / "cache"))
     for split, (x, y) in (("train", tiny["train"]), ("test", tiny["test"])):
         assert hub[split][0].dtype == np.uint8 and hub[split][0].shape == (len(y), 32, 32, 3)
-        np.testing.assert_array_equal(hub[split][0], x)      # PNG is lossless: the arrays we wrote
+        np.testing.assert_array_equal(hub[split][0], x)  # PNG is lossless: the arrays we wrote
         np.testing.assert_array_equal(hub[split][1], y)
         np.testing.assert_array_equal(pkl[split][0], hub[split][0])
         np.testing.assert_array_equal(pkl[split][1], hub[split][1])
@@ -147,17 +152,17 @@ def epoch_ids(n, batch, world, epoch, seed=0, **kw):
 def test_every_sample_exactly_once_per_epoch_across_ranks(n, batch, world):
     for epoch in (0, 1):
         ranks = epoch_ids(n, batch, world, epoch)
-        assert len({len(r) for r in ranks}) == 1                          # same number of batches on every rank
+        assert len({len(r) for r in ranks}) == 1  # same number of batches on every rank
         seen = [i for r in ranks for b in r for i in b]
-        assert sorted(seen) == list(range(n))                             # each sample once, none missing
+        assert sorted(seen) == list(range(n))  # each sample once, none missing
         assert all(len(b) <= batch for r in ranks for b in r)
 
 
 def test_order_depends_on_seed_and_epoch_only():
     e0, e1 = epoch_ids(100, 10, 2, 0), epoch_ids(100, 10, 2, 1)
-    assert e0 != e1                                                       # reshuffled each epoch
-    assert epoch_ids(100, 10, 2, 0) == e0                                 # same seed, same epoch: same order
-    assert epoch_ids(100, 10, 2, 0, seed=1) != e0                         # another seed: another order
+    assert e0 != e1  # reshuffled each epoch
+    assert epoch_ids(100, 10, 2, 0) == e0  # same seed, same epoch: same order
+    assert epoch_ids(100, 10, 2, 0, seed=1) != e0  # another seed: another order
     # The global batches do not depend on the world size: 2 ranks x 10 == 1 rank x 20, batch by batch.
     one = epoch_ids(100, 20, 1, 0)[0]
     assert [sorted(a + b) for a, b in zip(*e0)] == [sorted(b) for b in one]
@@ -177,7 +182,7 @@ def reference_view(img, flip, dy, dx, pad=2):
     """numpy: mirror (if flip), reflect-pad by `pad`, crop 32x32 at offset (pad + dy, pad + dx)."""
     img = img[:, ::-1] if flip else img
     padded = np.pad(img, ((pad, pad), (pad, pad), (0, 0)), mode="reflect")
-    return padded[pad + dy:pad + dy + 32, pad + dx:pad + dx + 32]
+    return padded[pad + dy : pad + dy + 32, pad + dx : pad + dx + 32]
 
 
 def test_augment_gather_matches_pad_crop_flip():
@@ -207,7 +212,7 @@ def test_loader_batches_keep_labels_and_produce_expected_pixels():
         match = [v for v in views if np.array_equal(img, reference_view(x[label].numpy(), *v))]
         assert match, f"batch image with label {label} is no flip/translate of sample {label}"
         used.update(match)
-    assert len({v[0] for v in used}) == 2                                # both mirrored and plain views occur
+    assert len({v[0] for v in used}) == 2  # both mirrored and plain views occur
 
 
 def test_alternating_flip_mirrors_each_image_every_other_epoch():
@@ -217,8 +222,11 @@ def test_alternating_flip_mirrors_each_image_every_other_epoch():
     for epoch in (0, 1, 2):
         ld.set_epoch(epoch)
         b = next(iter(ld))
-        pixels = (b["images"].permute(0, 2, 3, 1) * torch.tensor(cifar_data.STD) * 255
-                  + torch.tensor(cifar_data.MEAN) * 255).round().to(torch.uint8)
+        pixels = (
+            (b["images"].permute(0, 2, 3, 1) * torch.tensor(cifar_data.STD) * 255 + torch.tensor(cifar_data.MEAN) * 255)
+            .round()
+            .to(torch.uint8)
+        )
         views.append({int(i): bool(torch.equal(p, x[i].flip(1))) for p, i in zip(pixels, b["labels"])})
     assert any(views[0].values()) and not all(views[0].values())
     assert all(views[1][i] != views[0][i] and views[2][i] == views[0][i] for i in range(32))
@@ -231,7 +239,7 @@ def test_eval_loader_is_unaugmented_and_sharded():
         ld = DeviceLoader(x, y, 10, train=False, rank=rank, world_size=2)
         for b in ld:
             for img, i in zip(b["images"], b["labels"].tolist()):
-                torch.testing.assert_close(img, cifar_data.normalize(x[i:i + 1])[0])
+                torch.testing.assert_close(img, cifar_data.normalize(x[i : i + 1])[0])
             parts += b["labels"].tolist()
     assert sorted(parts) == list(range(60))
 
@@ -246,7 +254,7 @@ def test_whitening_layer_whitens_patches():
     net = cifar.CifarNet(widths=(8, 16, 16))
     net.init_whitening(images, eps=0)
     with torch.no_grad():
-        out = F.conv2d(images, net.whiten.weight[:12])                   # the first (positive) half
+        out = F.conv2d(images, net.whiten.weight[:12])  # the first (positive) half
     flat = out.permute(0, 2, 3, 1).reshape(-1, 12)
     cov = flat.T @ flat / len(flat)
     torch.testing.assert_close(cov, torch.eye(12), atol=2e-3, rtol=0)
@@ -256,8 +264,11 @@ def test_whitening_layer_whitens_patches():
 
 def test_lr_units_and_schedule():
     net = cifar.CifarNet(widths=(8, 16, 16))
-    targs = type("T", (), dict(per_device_train_batch_size=1024, gradient_accumulation_steps=1, learning_rate=11.5,
-                               weight_decay=0.0153))()
+    targs = type(
+        "T",
+        (),
+        dict(per_device_train_batch_size=1024, gradient_accumulation_steps=1, learning_rate=11.5, weight_decay=0.0153),
+    )()
     args = cifar.Args()
     opt = cifar.build_optimizer(net, args, targs)
     # airbench94: lr 11.5 per 1024 examples with a summed loss == torch lr 1.5 on our mean loss at batch 1024.
@@ -274,7 +285,7 @@ def test_lr_units_and_schedule():
         sched.step()
     assert factors[0][0] == pytest.approx(0.2) and factors[23][0] == pytest.approx(1.0)
     assert factors[99][0] == pytest.approx(1 + (0.07 - 1) * 76 / 77)
-    assert factors[29][2] > 0 and factors[30][2] == 0                   # whitening bias frozen after 30%
+    assert factors[29][2] > 0 and factors[30][2] == 0  # whitening bias frozen after 30%
 
 
 def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
@@ -286,11 +297,25 @@ def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
     cifar.configure(args, targs)
     small = cifar.PRESETS["small"]
     assert args.widths == small["widths"] and targs.num_train_epochs == small["num_train_epochs"]
-    assert targs.per_device_train_batch_size == small["batch_size"] // 2          # global batch split over 2
+    assert targs.per_device_train_batch_size == small["batch_size"] // 2  # global batch split over 2
     assert targs.per_device_eval_batch_size == small["eval_batch_size"] // 2
-    assert targs.max_grad_norm == 0 and targs.learning_rate == 11.5              # the recipe's defaults
-    targs, args = parse_args(cifar.Args, ["--preset", "small", "--widths", "8,8,8", "--num_train_epochs", "3",
-                                          "--batch_size", "64", "--mixed_precision", "no"], defaults=cifar.defaults)
+    assert targs.max_grad_norm == 0 and targs.learning_rate == 11.5  # the recipe's defaults
+    targs, args = parse_args(
+        cifar.Args,
+        [
+            "--preset",
+            "small",
+            "--widths",
+            "8,8,8",
+            "--num_train_epochs",
+            "3",
+            "--batch_size",
+            "64",
+            "--mixed_precision",
+            "no",
+        ],
+        defaults=cifar.defaults,
+    )
     cifar.configure(args, targs)
     assert (args.widths, targs.num_train_epochs, targs.per_device_train_batch_size) == ("8,8,8", 3, 32)
     assert targs.mixed_precision == "no"
@@ -312,17 +337,18 @@ def test_lookahead_pulls_weights_to_their_average():
     opt = cifar.LookaheadSGD([{"params": [p]}], net, lr=0.1, momentum=0.5, start_frac=0.0, every=2)
     opt.total_steps = 7
     g = torch.randn_like(p)
-    plain = cifar.LookaheadSGD([{"params": [q := p.detach().clone().requires_grad_()]}], net, lr=0.1,
-                               momentum=0.5, enabled=False)
+    plain = cifar.LookaheadSGD(
+        [{"params": [q := p.detach().clone().requires_grad_()]}], net, lr=0.1, momentum=0.5, enabled=False
+    )
     for step in range(1, 8):
         p.grad, q.grad = g.clone(), g.clone()
         opt.step()
         plain.step()
-        if step == 2:                                                     # the average starts here, no pull yet
+        if step == 2:  # the average starts here, no pull yet
             torch.testing.assert_close(p, q)
-        if step == 4:                                                     # pulled back: moved less than plain SGD
+        if step == 4:  # pulled back: moved less than plain SGD
             assert (p - q).abs().max() > 1e-4
-            assert ((p - q) * g).sum() > 0                                # ...i.e. less far along -g
+            assert ((p - q) * g).sum() > 0  # ...i.e. less far along -g
     # The last step copies the average into the net: every float tensor of the net equals its average.
     for avg, cur in zip(opt.ema, opt._floats()):
         torch.testing.assert_close(avg, cur)
@@ -340,14 +366,40 @@ def test_lookahead_pulls_weights_to_their_average():
 def run_recipe(args, nproc=1, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    return subprocess.run(launch_cmd(nproc) + [os.path.join(ROOT, "recipes", "cifar.py")] + [str(a) for a in args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        launch_cmd(nproc) + [os.path.join(ROOT, "recipes", "cifar.py")] + [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def tiny_run_args(tiny, out, epochs=4):
-    return ["--dataset", tiny["hub"], "--cache_dir", str(tiny["root"] / "cache"), "--output_dir", out,
-            "--preset", "small", "--widths", "8,16,16", "--batch_size", 40, "--eval_batch_size", 30,
-            "--num_train_epochs", epochs, "--logging_steps", 1, "--disable_tqdm", "--mixed_precision", "no"]
+    return [
+        "--dataset",
+        tiny["hub"],
+        "--cache_dir",
+        str(tiny["root"] / "cache"),
+        "--output_dir",
+        out,
+        "--preset",
+        "small",
+        "--widths",
+        "8,16,16",
+        "--batch_size",
+        40,
+        "--eval_batch_size",
+        30,
+        "--num_train_epochs",
+        epochs,
+        "--logging_steps",
+        1,
+        "--disable_tqdm",
+        "--mixed_precision",
+        "no",
+    ]
 
 
 def read_run(out):
@@ -362,7 +414,7 @@ def assert_trained(out):
     events, config = read_run(out)
     losses = [e["loss"] for e in events if "loss" in e]
     assert len(losses) >= 8
-    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.1, losses       # loss falls
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.1, losses  # loss falls
     final = [e for e in events if "eval_tta_accuracy" in e]
     assert final and 0 <= final[-1]["eval_accuracy"] <= 1 and 0 <= final[-1]["eval_tta_accuracy"] <= 1
     assert os.path.getsize(os.path.join(out, "model.safetensors")) > 0
@@ -376,6 +428,7 @@ def test_end_to_end_one_process(tiny, tmp_path):
     events, config = assert_trained(out)
     assert config["num_processes"] == 1 and config["global_train_batch_size"] == 40
     from safetensors.torch import load_file
+
     assert "whiten.weight" in load_file(os.path.join(out, "model.safetensors"))
 
 
@@ -384,13 +437,22 @@ def test_end_to_end_two_processes(tiny, tmp_path):
     proc = run_recipe(tiny_run_args(tiny, out), nproc=2, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     events, config = assert_trained(out)
-    assert config["num_processes"] == 2                                  # a real world of 2, not 2 worlds of 1
-    assert config["global_train_batch_size"] == 40                       # --batch_size is global: 20 per process
+    assert config["num_processes"] == 2  # a real world of 2, not 2 worlds of 1
+    assert config["global_train_batch_size"] == 40  # --batch_size is global: 20 per process
 
 
 def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
-    proc = run_recipe(["--dataset", str(tmp_path / "no_such_folder"), "--cache_dir", str(tmp_path / "cache"),
-                       "--output_dir", str(tmp_path / "out")], timeout=120)
+    proc = run_recipe(
+        [
+            "--dataset",
+            str(tmp_path / "no_such_folder"),
+            "--cache_dir",
+            str(tmp_path / "cache"),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "uoft-cs/cifar10" in proc.stderr and "cifar-10-batches-py" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -398,16 +460,33 @@ def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
 
 def test_bench_prints_accuracy_time_and_memory(tiny, tmp_path):
     args = tiny_run_args(tiny, "unused")
-    args = args[:args.index("--output_dir")] + args[args.index("--output_dir") + 2:]   # the bench sets it per seed
+    args = args[: args.index("--output_dir")] + args[args.index("--output_dir") + 2 :]  # the bench sets it per seed
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "cifar.py"), "--seeds", "2", "--target", "0.05",
-                           "--out", str(tmp_path / "bench")] + [str(a) for a in args] + ["--num_train_epochs", "2"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "cifar.py"),
+            "--seeds",
+            "2",
+            "--target",
+            "0.05",
+            "--out",
+            str(tmp_path / "bench"),
+        ]
+        + [str(a) for a in args]
+        + ["--num_train_epochs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     for line in ("seed 0: acc", "seed 1: acc", "time to 5.00%", "images/s", "peak memory MB", "process_s"):
         assert line in proc.stdout, proc.stdout
     with open(tmp_path / "bench" / "summary.json") as f:
         summary = json.load(f)
-    assert len(summary["runs"]) == 2 and all(r["train_s"] > 0 and r["time_to_target_s"] is not None
-                                             for r in summary["runs"])
+    assert len(summary["runs"]) == 2 and all(
+        r["train_s"] > 0 and r["time_to_target_s"] is not None for r in summary["runs"]
+    )

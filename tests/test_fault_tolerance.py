@@ -18,16 +18,27 @@ import time
 
 import psutil
 import pytest
-
 from helpers import RECIPES, env, launch_cmd
+
 from accel_trainer.faults import EXIT_PREEMPTED
 from accel_trainer.topology import RESTART_SAFE_ENV
 
 SCRIPT = os.path.join(RECIPES, "regression.py")
 # 256 samples, batch 16: 16 updates per epoch on 1 process, 8 per rank on 2. Dropout and masked targets make every
 # RNG stream and the item weighting matter.
-ARGS = ["--max_steps", "40", "--save_steps", "4", "--logging_steps", "1", "--dropout", "0.2", "--mask_prob", "0.3",
-        "--disable_tqdm"]
+ARGS = [
+    "--max_steps",
+    "40",
+    "--save_steps",
+    "4",
+    "--logging_steps",
+    "1",
+    "--dropout",
+    "0.2",
+    "--mask_prob",
+    "0.3",
+    "--disable_tqdm",
+]
 DEADLINE = 180  # seconds any single launch may take on a loaded 2-core machine
 
 
@@ -164,7 +175,7 @@ def test_sigkill_at_several_steps_then_resume_is_bit_identical(tmp_path, runs, r
     r.wait()
     r.no_process_left()
     (half,) = tmp_saves(out)
-    assert not os.path.exists(os.path.join(out, "checkpoints", half[len(".tmp_"):]))  # never renamed into place
+    assert not os.path.exists(os.path.join(out, "checkpoints", half[len(".tmp_") :]))  # never renamed into place
     # 3. resumed from the checkpoint before the interrupted one, killed in a later epoch
     r = start(runs, tmp_path, out, nproc, ["--resume_from_checkpoint", "latest"], faults="step_delay=0.1")
     r.wait_until(lambda: last_step(out) >= 2 * per_epoch + 3)
@@ -224,8 +235,15 @@ def test_elastic_restart_after_a_worker_dies_resumes_and_matches(tmp_path, runs,
     out = tmp_path / "run"
     # rank 1 exits with status 3 after update 10 on the first attempt; the group restarts once and resumes from
     # step_8 by itself (no --resume_from_checkpoint on the command line).
-    r = start(runs, tmp_path, out, 2, faults="exit_at=1:10", extra_env={RESTART_SAFE_ENV: "1"},
-              launcher_args=["--max_restarts", "1", "--rdzv_backend", "c10d"])
+    r = start(
+        runs,
+        tmp_path,
+        out,
+        2,
+        faults="exit_at=1:10",
+        extra_env={RESTART_SAFE_ENV: "1"},
+        launcher_args=["--max_restarts", "1", "--rdzv_backend", "c10d"],
+    )
     rc = r.wait()
     log = r.output(None)
     assert rc == 0, log[-6000:]

@@ -11,9 +11,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from text_fixtures import (OneProcess, load_recipe_module, make_glue_folder, make_tiny_bert, read_jsonl,
-                           run_recipe, targs)
+from text_fixtures import (
+    OneProcess,
+    load_recipe_module,
+    make_glue_folder,
+    make_tiny_bert,
+    read_jsonl,
+    run_recipe,
+    targs,
+)
 
 glue = load_recipe_module("glue")
 N_EVAL = 13  # not a multiple of 2 processes x eval batch 4
@@ -22,13 +28,24 @@ N_EVAL = 13  # not a multiple of 2 processes x eval batch 4
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("glue")
-    return {"root": root, "model": make_tiny_bert(str(root / "tiny-bert")),
-            "data": make_glue_folder(str(root / "glue"), n_train=64, n_eval=N_EVAL), "cache": str(root / "cache")}
+    return {
+        "root": root,
+        "model": make_tiny_bert(str(root / "tiny-bert")),
+        "data": make_glue_folder(str(root / "glue"), n_train=64, n_eval=N_EVAL),
+        "cache": str(root / "cache"),
+    }
 
 
 def args(env, **kw):
-    return glue.Args(**{"model_name_or_path": env["model"], "dataset_name": env["data"], "task_name": "mrpc",
-                        "cache_dir": env["cache"], **kw})
+    return glue.Args(
+        **{
+            "model_name_or_path": env["model"],
+            "dataset_name": env["data"],
+            "task_name": "mrpc",
+            "cache_dir": env["cache"],
+            **kw,
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------------ in-process
@@ -71,23 +88,30 @@ def test_length_grouped_batches(env):
         shard = list(loader(world=2, rank=rank, bs=4))
         assert len(shard) == len(batches1) == len(one) == 8
         for b2, b1 in zip(shard, batches1):
-            assert torch.equal(b2["labels"], b1["labels"][rank * 4: rank * 4 + 4])
+            assert torch.equal(b2["labels"], b1["labels"][rank * 4 : rank * 4 + 4])
     # a tail smaller than a global batch is shared out, or dropped only when smaller than the world size
     assert len(LengthGroupedBatches(train.select(range(61)), lengths[:61], 4, glue.collate, OneProcess(2, 1))) == 8
-    assert [len(b) for b in LengthGroupedBatches(train.select(range(57)), lengths[:57], 4, glue.collate,
-                                                 OneProcess(2, 0)).global_batches(0)] == [8] * 7
+    assert [
+        len(b)
+        for b in LengthGroupedBatches(
+            train.select(range(57)), lengths[:57], 4, glue.collate, OneProcess(2, 0)
+        ).global_batches(0)
+    ] == [8] * 7
 
 
-@pytest.mark.parametrize("task,preds,refs,expected", [
-    ("mrpc", [1, 0, 1, 1], [1, 1, 1, 0], {"accuracy": 0.5, "f1": 2 * 2 / (3 + 3)}),
-    ("qqp", [0, 0], [0, 0], {"accuracy": 1.0, "f1": 0.0}),
-    ("sst2", [1, 0, 1], [1, 0, 0], {"accuracy": 2 / 3}),
-    ("mnli", [0, 1, 2, 2], [0, 1, 2, 1], {"accuracy": 0.75}),
-    # tp=2 tn=1 fp=1 fn=0: (2*1 - 1*0) / sqrt(3*2*2*1)
-    ("cola", [1, 1, 1, 0], [1, 1, 0, 0], {"matthews_correlation": 2 / 12 ** 0.5}),
-    # spearman: ranks (0,1,2,3) vs (0,1,3,2) -> 1 - 6*2/(4*15) = 0.8
-    ("stsb", [0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 4.0, 3.0], {"pearson": 0.8, "spearmanr": 0.8}),
-])
+@pytest.mark.parametrize(
+    "task,preds,refs,expected",
+    [
+        ("mrpc", [1, 0, 1, 1], [1, 1, 1, 0], {"accuracy": 0.5, "f1": 2 * 2 / (3 + 3)}),
+        ("qqp", [0, 0], [0, 0], {"accuracy": 1.0, "f1": 0.0}),
+        ("sst2", [1, 0, 1], [1, 0, 0], {"accuracy": 2 / 3}),
+        ("mnli", [0, 1, 2, 2], [0, 1, 2, 1], {"accuracy": 0.75}),
+        # tp=2 tn=1 fp=1 fn=0: (2*1 - 1*0) / sqrt(3*2*2*1)
+        ("cola", [1, 1, 1, 0], [1, 1, 0, 0], {"matthews_correlation": 2 / 12**0.5}),
+        # spearman: ranks (0,1,2,3) vs (0,1,3,2) -> 1 - 6*2/(4*15) = 0.8
+        ("stsb", [0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 4.0, 3.0], {"pearson": 0.8, "spearmanr": 0.8}),
+    ],
+)
 def test_glue_metric_per_task_offline(task, preds, refs, expected):
     metrics = glue.build_metrics(glue.Args(task_name=task))
     module = metrics["glue"]
@@ -111,8 +135,21 @@ def test_missing_or_wrong_inputs_give_a_clear_error(env):
 
 
 def test_missing_model_path_exits_non_zero_with_the_fix(env, tmp_path):
-    proc = run_recipe("glue", ["--model_name_or_path", str(tmp_path / "bert-typo"), "--dataset_name", env["data"],
-                               "--output_dir", str(tmp_path / "out"), "--max_steps", "1"], tmp_path, timeout=120)
+    proc = run_recipe(
+        "glue",
+        [
+            "--model_name_or_path",
+            str(tmp_path / "bert-typo"),
+            "--dataset_name",
+            env["data"],
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "1",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "bert-typo' does not exist" in proc.stderr and "save_pretrained" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -121,12 +158,36 @@ def test_missing_model_path_exits_non_zero_with_the_fix(env, tmp_path):
 # ----------------------------------------------------------------------------------------------- end to end
 def test_end_to_end_length_grouped(env, tmp_path):
     out = tmp_path / "out"
-    proc = run_recipe("glue", [
-        "--model_name_or_path", env["model"], "--dataset_name", env["data"], "--output_dir", str(out),
-        "--group_by_length", "--max_steps", "40", "--warmup_steps", "0", "--learning_rate", "3e-3",
-        "--per_device_train_batch_size", "8",
-        "--logging_steps", "5", "--eval_steps", "20", "--save_steps", "0", "--disable_tqdm", "--seed", "0",
-    ], tmp_path)
+    proc = run_recipe(
+        "glue",
+        [
+            "--model_name_or_path",
+            env["model"],
+            "--dataset_name",
+            env["data"],
+            "--output_dir",
+            str(out),
+            "--group_by_length",
+            "--max_steps",
+            "40",
+            "--warmup_steps",
+            "0",
+            "--learning_rate",
+            "3e-3",
+            "--per_device_train_batch_size",
+            "8",
+            "--logging_steps",
+            "5",
+            "--eval_steps",
+            "20",
+            "--save_steps",
+            "0",
+            "--disable_tqdm",
+            "--seed",
+            "0",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = read_jsonl(out / "metrics.jsonl")
     losses = [e["loss"] for e in events if "loss" in e]
@@ -147,17 +208,43 @@ def _single_process_metrics(env, weights_path):
     out = glue.eval_step(model, batch)
     pred, ref = out["predictions"], out["references"]
     tp = int(((pred == 1) & (ref == 1)).sum())
-    return {"eval_accuracy": int((pred == ref).sum()) / len(ref),
-            "eval_f1": 2 * tp / int((pred == 1).sum() + (ref == 1).sum()), "eval_loss": float(out["loss"].mean())}
+    return {
+        "eval_accuracy": int((pred == ref).sum()) / len(ref),
+        "eval_f1": 2 * tp / int((pred == 1).sum() + (ref == 1).sum()),
+        "eval_loss": float(out["loss"].mean()),
+    }
 
 
 def test_two_process_eval_on_an_uneven_split_matches_one_process(env, tmp_path):
     out = tmp_path / "out"
-    proc = run_recipe("glue", [
-        "--model_name_or_path", env["model"], "--dataset_name", env["data"], "--output_dir", str(out),
-        "--max_steps", "8", "--warmup_steps", "0", "--learning_rate", "3e-3", "--per_device_train_batch_size", "4",
-        "--per_device_eval_batch_size", "4", "--logging_steps", "4", "--save_steps", "0", "--disable_tqdm",
-    ], tmp_path, nproc=2)
+    proc = run_recipe(
+        "glue",
+        [
+            "--model_name_or_path",
+            env["model"],
+            "--dataset_name",
+            env["data"],
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "8",
+            "--warmup_steps",
+            "0",
+            "--learning_rate",
+            "3e-3",
+            "--per_device_train_batch_size",
+            "4",
+            "--per_device_eval_batch_size",
+            "4",
+            "--logging_steps",
+            "4",
+            "--save_steps",
+            "0",
+            "--disable_tqdm",
+        ],
+        tmp_path,
+        nproc=2,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "run_config.json").read_text())["num_processes"] == 2
     final = [e for e in read_jsonl(out / "metrics.jsonl") if "eval_loss" in e][-1]

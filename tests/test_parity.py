@@ -6,13 +6,32 @@ per-micro-batch means (the 2024 transformers bug) or per-rank means fails this.
 """
 
 import pytest
-
 from helpers import assert_same_weights, metrics, run, run_config, weights
 
 # 256 samples / global batch 16 = 16 updates per epoch: 20 updates cross an epoch boundary.
-COMMON = ["--mask_prob", "0.5", "--max_steps", "20", "--logging_steps", "1", "--learning_rate", "0.05",
-          "--lr_scheduler_type", "linear", "--warmup_steps", "3", "--num_eval_samples", "37",
-          "--per_device_eval_batch_size", "4", "--eval_steps", "6", "--save_steps", "0", "--disable_tqdm"]
+COMMON = [
+    "--mask_prob",
+    "0.5",
+    "--max_steps",
+    "20",
+    "--logging_steps",
+    "1",
+    "--learning_rate",
+    "0.05",
+    "--lr_scheduler_type",
+    "linear",
+    "--warmup_steps",
+    "3",
+    "--num_eval_samples",
+    "37",
+    "--per_device_eval_batch_size",
+    "4",
+    "--eval_steps",
+    "6",
+    "--save_steps",
+    "0",
+    "--disable_tqdm",
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +39,11 @@ def runs(tmp_path_factory):
     out = {}
     for name, nproc, bs, acc in (("1x16x1", 1, 16, 1), ("1x8x2", 1, 8, 2), ("2x4x2", 2, 4, 2)):
         d = str(tmp_path_factory.mktemp(name))
-        proc = run("regression.py", ["--output_dir", d, "--per_device_train_batch_size", bs,
-                                     "--gradient_accumulation_steps", acc] + COMMON, nproc=nproc)
+        proc = run(
+            "regression.py",
+            ["--output_dir", d, "--per_device_train_batch_size", bs, "--gradient_accumulation_steps", acc] + COMMON,
+            nproc=nproc,
+        )
         out[name] = (d, proc)
     return out
 
@@ -69,8 +91,11 @@ def test_only_the_main_process_prints_and_logs(runs):
     d, proc = runs["2x4x2"]
     steps = [m["step"] for m in metrics(d) if "loss" in m]
     assert steps == list(range(1, 21))  # each log event once, not once per rank
-    printed = [line for line in proc.stdout.splitlines() if line.startswith("step=") and "loss=" in line
-               and "eval_loss" not in line]
+    printed = [
+        line
+        for line in proc.stdout.splitlines()
+        if line.startswith("step=") and "loss=" in line and "eval_loss" not in line
+    ]
     assert len(printed) == 20
 
 
@@ -96,8 +121,13 @@ def test_notebook_launcher_forms_a_world_of_two(tmp_path):
     from helpers import RECIPES, env
 
     out = str(tmp_path / "nb")
-    proc = subprocess.run([sys.executable, "-c", NOTEBOOK.format(recipes=RECIPES, out=out)], capture_output=True,
-                          text=True, timeout=180, env=env())
+    proc = subprocess.run(
+        [sys.executable, "-c", NOTEBOOK.format(recipes=RECIPES, out=out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run_config(out)["num_processes"] == 2
     assert [m["step"] for m in metrics(out) if "loss" in m] == [6]

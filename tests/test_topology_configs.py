@@ -8,8 +8,8 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
-
 from helpers import ROOT, free_port
+
 from accel_trainer import topology
 
 CONFIGS = os.path.join(ROOT, "accelerate_configs")

@@ -11,8 +11,8 @@ import textwrap
 import time
 
 import pytest
-
 from helpers import ROOT, assert_same_weights, env, free_port, weights
+
 from accel_trainer import wizard
 from accel_trainer.topology import RESTART_SAFE_ENV, rdzv_flags
 
@@ -23,16 +23,34 @@ BOUND = 60  # seconds within which every failure must have ended
 
 def two_machine_config(tmp_path, rdzv, port):
     """The loopback topology, written by the wizard itself (non-interactive)."""
-    rc = wizard.main(["--dir", str(tmp_path), "--name", f"loop_{rdzv}", "--machines", "2", "--processes-per-machine",
-                      "1", "--cpu", "--main-ip", "127.0.0.1", "--main-port", str(port), "--rdzv", rdzv])
+    rc = wizard.main(
+        [
+            "--dir",
+            str(tmp_path),
+            "--name",
+            f"loop_{rdzv}",
+            "--machines",
+            "2",
+            "--processes-per-machine",
+            "1",
+            "--cpu",
+            "--main-ip",
+            "127.0.0.1",
+            "--main-port",
+            str(port),
+            "--rdzv",
+            rdzv,
+        ]
+    )
     assert rc == 0
     return str(tmp_path / f"loop_{rdzv}.yaml")
 
 
 def start(cmd, log, **extra_env):
     f = open(log, "w")
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env(**extra_env), cwd=ROOT,
-                            start_new_session=True), f
+    return subprocess.Popen(
+        cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env(**extra_env), cwd=ROOT, start_new_session=True
+    ), f
 
 
 def finish(procs, timeout):
@@ -66,8 +84,9 @@ def two_launches(cfg, port, tmp_path, script_and_args, rdzv, extra=(), timeout=1
     procs = []
     for rank in (0, 1):
         cmd = LAUNCH + ["--config_file", cfg, "--machine_rank", str(rank), *rdzv_flags(rdzv, 60), *extra]
-        procs.append(start(cmd + [a.format(rank=rank) for a in script_and_args], tmp_path / f"machine{rank}.log",
-                           **extra_env))
+        procs.append(
+            start(cmd + [a.format(rank=rank) for a in script_and_args], tmp_path / f"machine{rank}.log", **extra_env)
+        )
         if rank == 0:
             wait_listening(port, procs[0][0])
     codes = finish(procs, timeout)
@@ -78,9 +97,23 @@ def two_launches(cfg, port, tmp_path, script_and_args, rdzv, extra=(), timeout=1
 @pytest.fixture(scope="module")
 def one_process_weights(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    proc = subprocess.run([sys.executable, "recipes/regression.py", "--output_dir", str(out), "--max_steps",
-                           str(STEPS), "--per_device_train_batch_size", str(2 * PER_DEVICE)],
-                          capture_output=True, text=True, timeout=180, env=env(), cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "recipes/regression.py",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            str(STEPS),
+            "--per_device_train_batch_size",
+            str(2 * PER_DEVICE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env(),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return weights(out)
 
@@ -90,9 +123,21 @@ def test_two_machines_on_loopback_train_like_one_process(tmp_path, rdzv, one_pro
     port = free_port()
     cfg = two_machine_config(tmp_path, rdzv, port)
     # Each "machine" gets its own output folder, as two real machines would.
-    codes, logs = two_launches(cfg, port, tmp_path, ["recipes/regression.py", "--output_dir", str(tmp_path / "out{rank}"),
-                                               "--max_steps", str(STEPS), "--per_device_train_batch_size",
-                                               str(PER_DEVICE)], rdzv)
+    codes, logs = two_launches(
+        cfg,
+        port,
+        tmp_path,
+        [
+            "recipes/regression.py",
+            "--output_dir",
+            str(tmp_path / "out{rank}"),
+            "--max_steps",
+            str(STEPS),
+            "--per_device_train_batch_size",
+            str(PER_DEVICE),
+        ],
+        rdzv,
+    )
     assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
     import json
 
@@ -131,8 +176,15 @@ def test_c10d_with_max_restarts_survives_one_worker_failure(tmp_path):
     script.write_text(FAIL_ONCE)
     port = free_port()
     cfg = two_machine_config(tmp_path, "c10d", port)
-    codes, logs = two_launches(cfg, port, tmp_path, [str(script), str(tmp_path / "failed_once")], "c10d",
-                               extra=["--max_restarts", "1"], **{RESTART_SAFE_ENV: "1"})  # as printed
+    codes, logs = two_launches(
+        cfg,
+        port,
+        tmp_path,
+        [str(script), str(tmp_path / "failed_once")],
+        "c10d",
+        extra=["--max_restarts", "1"],
+        **{RESTART_SAFE_ENV: "1"},
+    )  # as printed
     assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
     both = "".join(logs)
     assert (tmp_path / "failed_once").exists()  # a worker did fail
@@ -147,9 +199,25 @@ def test_missing_peer_static_fails_within_bound_and_says_who(tmp_path):
     port = free_port()
     cfg = two_machine_config(tmp_path, "static", port)
     t0 = time.monotonic()
-    proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=5",
-                                     "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    proc = subprocess.run(
+        WRAPPER
+        + [
+            "--config_file",
+            cfg,
+            "--machine_rank",
+            "0",
+            "--rdzv_conf",
+            "timeout=5",
+            "recipes/regression.py",
+            "--output_dir",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=BOUND + 30,
+        env=env(),
+        cwd=ROOT,
+    )
     took = time.monotonic() - t0
     assert proc.returncode != 0
     assert took < BOUND, took
@@ -164,10 +232,25 @@ def test_missing_peer_c10d_fails_within_bound_and_says_what_to_check(tmp_path):
     cfg = two_machine_config(tmp_path, "c10d", free_port())
     t0 = time.monotonic()
     # No --rdzv_backend: `accel-trainer launch` takes c10d from the config (accelerate alone would run static).
-    proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf",
-                                     "join_timeout=5,read_timeout=5", "recipes/regression.py", "--output_dir",
-                                     str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    proc = subprocess.run(
+        WRAPPER
+        + [
+            "--config_file",
+            cfg,
+            "--machine_rank",
+            "0",
+            "--rdzv_conf",
+            "join_timeout=5,read_timeout=5",
+            "recipes/regression.py",
+            "--output_dir",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=BOUND + 30,
+        env=env(),
+        cwd=ROOT,
+    )
     took = time.monotonic() - t0
     assert proc.returncode != 0
     assert took < BOUND, took
@@ -182,9 +265,25 @@ def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
         busy.listen()
         cfg = two_machine_config(tmp_path, "static", busy.getsockname()[1])
         t0 = time.monotonic()
-        proc = subprocess.run(WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", "timeout=5",
-                                         "recipes/regression.py", "--output_dir", str(tmp_path / "o")],
-                              capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+        proc = subprocess.run(
+            WRAPPER
+            + [
+                "--config_file",
+                cfg,
+                "--machine_rank",
+                "0",
+                "--rdzv_conf",
+                "timeout=5",
+                "recipes/regression.py",
+                "--output_dir",
+                str(tmp_path / "o"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=BOUND + 30,
+            env=env(),
+            cwd=ROOT,
+        )
     assert proc.returncode != 0
     assert time.monotonic() - t0 < BOUND
     assert "another process is utilizing it" in proc.stdout, proc.stdout[-2000:]  # accelerate's words
@@ -207,12 +306,19 @@ def test_launch_that_runs_one_process_instead_of_two_is_stopped(tmp_path, how):
         launch = ["--cpu", "--num_processes", "2"]
     else:
         cfg = tmp_path / "multi_cpu.yaml"
-        cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: 'no'\n"
-                       "num_machines: 1\nnum_processes: 2\nuse_cpu: true\n")
+        cfg.write_text(
+            "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: 'no'\n"
+            "num_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
+        )
         launch = ["--config_file", str(cfg)]
-    proc = subprocess.run(LAUNCH + launch + ["recipes/regression.py", "--output_dir", str(tmp_path / "o"),
-                                             "--max_steps", "2"],
-                          capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    proc = subprocess.run(
+        LAUNCH + launch + ["recipes/regression.py", "--output_dir", str(tmp_path / "o"), "--max_steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=BOUND + 30,
+        env=env(),
+        cwd=ROOT,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-2000:]
     assert "total processes: expected 2, joined 1" in out, out[-2000:]
@@ -231,9 +337,14 @@ NAIVE = textwrap.dedent("""
 def test_each_process_alone_in_a_world_of_one_is_stopped(tmp_path):
     script = tmp_path / "naive.py"
     script.write_text(NAIVE)
-    proc = subprocess.run(LAUNCH + ["--multi_gpu", "--num_processes", "2", "--main_process_port",
-                                    str(free_port()), str(script)],
-                          capture_output=True, text=True, timeout=BOUND + 30, env=env(), cwd=ROOT)
+    proc = subprocess.run(
+        LAUNCH + ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=BOUND + 30,
+        env=env(),
+        cwd=ROOT,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "TRAINED ALONE" not in out
@@ -247,6 +358,18 @@ def test_wrapper_refuses_a_rank_out_of_range_and_an_unresolvable_main_address(tm
     capsys.readouterr()
     assert preflight.launch(["--config_file", cfg, "--machine_rank", "2", "recipes/regression.py"]) == 2
     assert "--machine_rank 2 is out of range for 2 machines (valid: 0..1)" in capsys.readouterr().err
-    assert preflight.launch(["--config_file", cfg, "--machine_rank", "1", "--main_process_ip", "machine0.invalid",
-                             "recipes/regression.py"]) == 2
+    assert (
+        preflight.launch(
+            [
+                "--config_file",
+                cfg,
+                "--machine_rank",
+                "1",
+                "--main_process_ip",
+                "machine0.invalid",
+                "recipes/regression.py",
+            ]
+        )
+        == 2
+    )
     assert "cannot resolve machine 0's address 'machine0.invalid'" in capsys.readouterr().err

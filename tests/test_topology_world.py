@@ -58,8 +58,11 @@ def test_num_processes_read_as_per_machine(torchrun_env):
 
 def test_not_divisible_names_the_floor(torchrun_env):
     torchrun_env(world=2, local=1, machines=2)
-    with pytest.raises(TopologyError, match=r"not divisible by num_machines=2; accelerate starts num_processes // "
-                                            r"num_machines = 1 per machine"):
+    with pytest.raises(
+        TopologyError,
+        match=r"not divisible by num_machines=2; accelerate starts num_processes // "
+        r"num_machines = 1 per machine",
+    ):
         check_world(acc(2), {"num_processes": 3, "num_machines": 2})
 
 
@@ -88,42 +91,57 @@ def test_launch_command_line_is_read_like_accelerate_reads_it(tmp_path):
     w = topology.world_from_launch_argv(["--config_file", str(cfg), "train.py"])
     assert (w.num_processes, w.distributed_type) == (2, "MULTI_CPU")
     # Flags win over the file, as in accelerate.
-    w = topology.world_from_launch_argv(["--config_file", str(cfg), "--num_processes", "4", "--num_machines", "2",
-                                         "train.py"])
+    w = topology.world_from_launch_argv(
+        ["--config_file", str(cfg), "--num_processes", "4", "--num_machines", "2", "train.py"]
+    )
     assert (w.num_processes, w.num_machines, w.processes_per_machine) == (4, 2, 2)
     assert topology._launch_argv_of(["/usr/bin/python3", "/x/bin/accelerate", "launch", "--cpu", "t.py"]) == [
-        "--cpu", "t.py"]
+        "--cpu",
+        "t.py",
+    ]
     assert topology._launch_argv_of(["python", "-m", "accelerate.commands.launch", "t.py"]) == ["t.py"]
     assert topology._launch_argv_of(["python", "train.py", "launch"]) is None
 
 
 def test_multi_cpu_trap_from_the_launch_line_names_the_fix(torchrun_env, monkeypatch):
-    monkeypatch.setattr(topology, "launcher_world",
-                        lambda: topology.world_from_launch_argv(["--cpu", "--num_processes", "2", "t.py"]))
+    monkeypatch.setattr(
+        topology, "launcher_world", lambda: topology.world_from_launch_argv(["--cpu", "--num_processes", "2", "t.py"])
+    )
     with pytest.raises(TopologyError, match=r"expected 2, joined 1.*ONE process.*--multi_gpu"):
         check_world(acc(1))
 
 
 def config(**kw):
-    base = dict(compute_environment="LOCAL_MACHINE", distributed_type="MULTI_GPU", mixed_precision="no",
-                use_cpu=False, debug=False, num_processes=16, num_machines=2, main_process_ip="10.0.0.1",
-                main_process_port=29500)
+    base = dict(
+        compute_environment="LOCAL_MACHINE",
+        distributed_type="MULTI_GPU",
+        mixed_precision="no",
+        use_cpu=False,
+        debug=False,
+        num_processes=16,
+        num_machines=2,
+        main_process_ip="10.0.0.1",
+        main_process_port=29500,
+    )
     base.update(kw)
     return ClusterConfig(**base)
 
 
-@pytest.mark.parametrize("kw, gpus, words", [
-    (dict(num_processes=15, num_machines=2), None, "not a multiple of num_machines"),
-    (dict(distributed_type="MULTI_CPU", num_processes=2, num_machines=1, use_cpu=True), None, "ONE process"),
-    (dict(main_process_port=70000), None, "out of range"),
-    (dict(main_process_ip=None), None, "main_process_ip is required"),
-    (dict(machine_rank=2), None, "machine_rank=2 out of range"),
-    (dict(rdzv_backend="etcd"), None, "rdzv_backend"),
-    (dict(), 0, "no GPU is visible"),
-    (dict(), 4, "only 4 GPUs are visible"),
-    (dict(distributed_type="FSDP", use_cpu=True), None, "FSDP on CPU"),
-    (dict(use_cpu=True, mixed_precision="fp16"), None, "fp16 mixed precision needs a GPU"),
-])
+@pytest.mark.parametrize(
+    "kw, gpus, words",
+    [
+        (dict(num_processes=15, num_machines=2), None, "not a multiple of num_machines"),
+        (dict(distributed_type="MULTI_CPU", num_processes=2, num_machines=1, use_cpu=True), None, "ONE process"),
+        (dict(main_process_port=70000), None, "out of range"),
+        (dict(main_process_ip=None), None, "main_process_ip is required"),
+        (dict(machine_rank=2), None, "machine_rank=2 out of range"),
+        (dict(rdzv_backend="etcd"), None, "rdzv_backend"),
+        (dict(), 0, "no GPU is visible"),
+        (dict(), 4, "only 4 GPUs are visible"),
+        (dict(distributed_type="FSDP", use_cpu=True), None, "FSDP on CPU"),
+        (dict(use_cpu=True, mixed_precision="fp16"), None, "fp16 mixed precision needs a GPU"),
+    ],
+)
 def test_bad_configs_are_refused_with_the_reason(kw, gpus, words):
     problems = topology.validate_config(config(**kw), gpus_detected=gpus)
     assert any(words in p for p in problems), problems
@@ -154,8 +172,12 @@ def test_port_checks_are_bounded_and_say_why():
 
 def test_rendezvous_flags():
     assert topology.rdzv_flags("static", 30) == ["--rdzv_backend", "static", "--rdzv_conf", "timeout=30"]
-    assert topology.rdzv_flags("c10d", 30) == ["--rdzv_backend", "c10d", "--rdzv_conf",
-                                               "join_timeout=30,read_timeout=30"]
+    assert topology.rdzv_flags("c10d", 30) == [
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_conf",
+        "join_timeout=30,read_timeout=30",
+    ]
 
 
 def test_process_group_timeout_is_bounded_and_validated():

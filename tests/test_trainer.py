@@ -5,9 +5,8 @@ import os
 import sys
 
 import torch
-from safetensors.torch import load_file, load_model
-
 from helpers import RECIPES, assert_same_weights
+from safetensors.torch import load_file, load_model
 
 sys.path.insert(0, RECIPES)
 import regression  # noqa: E402
@@ -62,8 +61,12 @@ def test_resume_mid_epoch_gives_the_same_final_weights(tmp_path):
     resumed = make(tmp_path, "resumed", ra, max_steps=24, save_steps=5, resume_from_checkpoint=ckpt)
     assert resumed.global_step == 5
     resumed.fit()
-    assert_same_weights(load_file(os.path.join(resumed.args.output_dir, "model.safetensors")),
-                        load_file(os.path.join(full.args.output_dir, "model.safetensors")), rtol=0, atol=0)
+    assert_same_weights(
+        load_file(os.path.join(resumed.args.output_dir, "model.safetensors")),
+        load_file(os.path.join(full.args.output_dir, "model.safetensors")),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_resume_latest_continues_in_place(tmp_path):

@@ -8,8 +8,8 @@ import sys
 import pexpect
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-
 from helpers import ROOT, env
+
 from accel_trainer import wizard
 
 SKIP = ["--skip-device-check"]  # GPU topologies are written here for other machines
@@ -18,10 +18,35 @@ SHIPPED_FLAGS = {
     "cpu_2proc": ["--machines", "1", "--processes-per-machine", "2", "--cpu"],
     "gpu_1": ["--machines", "1", "--gpus-per-machine", "1", "--mixed-precision", "no"] + SKIP,
     "gpu_1x8_bf16": ["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16"] + SKIP,
-    "gpu_2x8_bf16_static": ["--machines", "2", "--gpus-per-machine", "8", "--mixed-precision", "bf16",
-                            "--main-ip", "machine0.invalid", "--rdzv", "static"] + SKIP,
-    "gpu_2x8_bf16_c10d": ["--machines", "2", "--gpus-per-machine", "8", "--mixed-precision", "bf16",
-                          "--main-ip", "machine0.invalid", "--rdzv", "c10d", "--max-restarts", "3", "--slurm"] + SKIP,
+    "gpu_2x8_bf16_static": [
+        "--machines",
+        "2",
+        "--gpus-per-machine",
+        "8",
+        "--mixed-precision",
+        "bf16",
+        "--main-ip",
+        "machine0.invalid",
+        "--rdzv",
+        "static",
+    ]
+    + SKIP,
+    "gpu_2x8_bf16_c10d": [
+        "--machines",
+        "2",
+        "--gpus-per-machine",
+        "8",
+        "--mixed-precision",
+        "bf16",
+        "--main-ip",
+        "machine0.invalid",
+        "--rdzv",
+        "c10d",
+        "--max-restarts",
+        "3",
+        "--slurm",
+    ]
+    + SKIP,
     "gpu_1x8_fsdp_bf16": ["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16", "--fsdp"] + SKIP,
 }
 
@@ -53,19 +78,31 @@ def fake_hw(gpus, bf16=True):
     return lambda: {"gpus": gpus, "gpu_name": "Fake GPU" if gpus else None, "bf16": bf16 and gpus > 0, "cpus": 2}
 
 
-@pytest.mark.parametrize("flags, gpus, reason", [
-    (["--machines", "1", "--gpus-per-machine", "1"], 0, "no GPU is visible here"),
-    (["--machines", "1", "--gpus-per-machine", "8"], 2, "8 processes per machine but only 2 GPUs"),
-    (["--machines", "2", "--gpus-per-machine", "1", "--cpu", "--main-ip", "10.0.0.1", "--main-port", "70000"], 0,
-     "main_process_port=70000 is out of range"),
-    (["--machines", "1", "--processes-per-machine", "2", "--cpu", "--fsdp"], 0, "FSDP on CPU is not supported"),
-    (["--machines", "2", "--gpus-per-machine", "8"], 8, "--main-ip is required"),
-    (["--machines", "1", "--processes-per-machine", "2", "--cpu", "--mixed-precision", "fp16"], 0,
-     "fp16 mixed precision needs a GPU"),
-    (["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16"], 8, "bf16 is not supported"),
-    (["--machines", "2", "--gpus-per-machine", "1", "--cpu", "--main-ip", "h", "--max-restarts", "2"], 0,
-     "--max-restarts needs --rdzv c10d"),
-])
+@pytest.mark.parametrize(
+    "flags, gpus, reason",
+    [
+        (["--machines", "1", "--gpus-per-machine", "1"], 0, "no GPU is visible here"),
+        (["--machines", "1", "--gpus-per-machine", "8"], 2, "8 processes per machine but only 2 GPUs"),
+        (
+            ["--machines", "2", "--gpus-per-machine", "1", "--cpu", "--main-ip", "10.0.0.1", "--main-port", "70000"],
+            0,
+            "main_process_port=70000 is out of range",
+        ),
+        (["--machines", "1", "--processes-per-machine", "2", "--cpu", "--fsdp"], 0, "FSDP on CPU is not supported"),
+        (["--machines", "2", "--gpus-per-machine", "8"], 8, "--main-ip is required"),
+        (
+            ["--machines", "1", "--processes-per-machine", "2", "--cpu", "--mixed-precision", "fp16"],
+            0,
+            "fp16 mixed precision needs a GPU",
+        ),
+        (["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16"], 8, "bf16 is not supported"),
+        (
+            ["--machines", "2", "--gpus-per-machine", "1", "--cpu", "--main-ip", "h", "--max-restarts", "2"],
+            0,
+            "--max-restarts needs --rdzv c10d",
+        ),
+    ],
+)
 def test_bad_combinations_are_refused(flags, gpus, reason, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(wizard, "detect", fake_hw(gpus, bf16="bf16 is not" not in reason))
     assert wizard.main(["--dir", str(tmp_path), "--name", "x", "--no-interactive", *flags]) == 2
@@ -82,8 +119,14 @@ def test_existing_file_needs_force(tmp_path, capsys):
 
 
 def test_interactive_through_a_pseudo_terminal(tmp_path):
-    child = pexpect.spawn(sys.executable, ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)], cwd=ROOT,
-                          env={**env(), "CUDA_VISIBLE_DEVICES": ""}, encoding="utf-8", timeout=60)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**env(), "CUDA_VISIBLE_DEVICES": ""},
+        encoding="utf-8",
+        timeout=60,
+    )
     answers = [
         ("How many machines", "zero"),  # not a number: asked again
         ("not valid", None),
@@ -123,13 +166,36 @@ while [[ "$1" == --* ]]; do shift; done
 for node in 0 1; do SLURM_NODEID=$node "$@" || exit $?; done
 """
 FAKE_SCONTROL = "#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n"
-FAKE_ACCELERATE = "#!/bin/bash\necho \"LAUNCH $*\"\n"
+FAKE_ACCELERATE = '#!/bin/bash\necho "LAUNCH $*"\n'
 
 
 def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
-    assert wizard.main(["--dir", str(tmp_path), "--name", "s", "--no-interactive", "--machines", "2",
-                        "--processes-per-machine", "1", "--cpu", "--main-ip", "unused", "--rdzv", "c10d",
-                        "--max-restarts", "1", "--slurm", "--script", "recipes/regression.py"]) == 0
+    assert (
+        wizard.main(
+            [
+                "--dir",
+                str(tmp_path),
+                "--name",
+                "s",
+                "--no-interactive",
+                "--machines",
+                "2",
+                "--processes-per-machine",
+                "1",
+                "--cpu",
+                "--main-ip",
+                "unused",
+                "--rdzv",
+                "c10d",
+                "--max-restarts",
+                "1",
+                "--slurm",
+                "--script",
+                "recipes/regression.py",
+            ]
+        )
+        == 0
+    )
     script = tmp_path / "s.slurm.sh"
     text = read(script)
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
@@ -140,8 +206,9 @@ def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
         (fake / name).write_text(body)
         (fake / name).chmod(0o755)
     e = {**env(), "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]"}
-    proc = subprocess.run(["bash", str(script), "--output_dir", "runs/x y"], capture_output=True, text=True,
-                          timeout=30, env=e)
+    proc = subprocess.run(
+        ["bash", str(script), "--output_dir", "runs/x y"], capture_output=True, text=True, timeout=30, env=e
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("LAUNCH")]
     assert len(lines) == 2

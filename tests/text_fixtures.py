@@ -55,8 +55,13 @@ def _train_tokenizer(texts, kind: str):
         )
         tok.decoder = decoders.WordPiece()
         return PreTrainedTokenizerFast(
-            tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-            sep_token="[SEP]", mask_token="[MASK]", model_max_length=128,
+            tokenizer_object=tok,
+            unk_token="[UNK]",
+            pad_token="[PAD]",
+            cls_token="[CLS]",
+            sep_token="[SEP]",
+            mask_token="[MASK]",
+            model_max_length=128,
             model_input_names=["input_ids", "token_type_ids", "attention_mask"],
         )
     # GPT-2 style byte-level BPE with only an end-of-text token (no pad token, like the real gpt2)
@@ -65,12 +70,16 @@ def _train_tokenizer(texts, kind: str):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(
         texts,
-        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-        unk_token="<|endoftext|>", model_max_length=128,
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        model_max_length=128,
     )
 
 
@@ -81,9 +90,16 @@ def make_tiny_bert(folder: str, texts=None, num_labels: int = 2) -> str:
 
     tokenizer = _train_tokenizer(texts or sentences(300), "bert")
     config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, classifier_dropout=0.0, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id,
         num_labels=num_labels,
     )
     with torch.random.fork_rng():  # the same tiny model every run (reproducible tests), global RNG untouched
@@ -101,8 +117,15 @@ def make_tiny_gpt2(folder: str, texts=None, weights: bool = True) -> str:
 
     tokenizer = _train_tokenizer(texts or sentences(300), "gpt2")
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=len(tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     if weights:
@@ -130,10 +153,14 @@ def make_glue_folder(folder: str, n_train: int = 64, n_eval: int = 13, seed: int
             "---\nconfigs:\n- config_name: mrpc\n  data_files:\n"
             "  - split: train\n    path: mrpc/train-*\n  - split: validation\n    path: mrpc/validation-*\n---\n"
         )
-    features = datasets.Features({
-        "sentence1": datasets.Value("string"), "sentence2": datasets.Value("string"),
-        "label": datasets.ClassLabel(names=["not_equivalent", "equivalent"]), "idx": datasets.Value("int32"),
-    })
+    features = datasets.Features(
+        {
+            "sentence1": datasets.Value("string"),
+            "sentence2": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=["not_equivalent", "equivalent"]),
+            "idx": datasets.Value("int32"),
+        }
+    )
     half = len(WORDS) // 2
     for split, n, s in (("train", n_train, seed), ("validation", n_eval, seed + 1)):
         rng = random.Random(s)
@@ -169,9 +196,13 @@ def offline_env(tmp_path) -> dict:
     dataset cache inside the test's temp dir, one thread per process on this small machine."""
     env = dict(os.environ)
     env.update(
-        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_CACHE=str(tmp_path / "hf_datasets_cache"), OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp_path / "hf_datasets_cache"),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
     )
     return env
 
@@ -179,15 +210,23 @@ def offline_env(tmp_path) -> dict:
 def run_recipe(recipe: str, args: list[str], tmp_path, nproc: int = 1, timeout: int = 240):
     """`python recipes/<recipe>.py ARGS`, or with nproc > 1 a real `accelerate launch` of nproc CPU processes."""
     script = os.path.join(REPO, "recipes", f"{recipe}.py")
-    return subprocess.run(launch_cmd(nproc) + [script, *args], env=offline_env(tmp_path), capture_output=True, text=True, timeout=timeout,
-                          cwd=str(tmp_path))
+    return subprocess.run(
+        launch_cmd(nproc) + [script, *args],
+        env=offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(tmp_path),
+    )
 
 
 def load_recipe_module(recipe: str):
     """recipes/<recipe>.py as a module, to call its functions directly."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"text_recipe_{recipe}", os.path.join(REPO, "recipes", f"{recipe}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"text_recipe_{recipe}", os.path.join(REPO, "recipes", f"{recipe}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses need the module registered
     spec.loader.exec_module(module)
