@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
@@ -18,6 +17,7 @@ from accelerate.utils import (
 
 from .args import TrainingArguments
 from .errors import UserError
+from .topology import launched_world
 
 _COMM_HOOKS = {
     "none": DDPCommunicationHookType.NO,
@@ -29,8 +29,9 @@ _COMM_HOOKS = {
 
 
 def launched_world_size() -> int:
-    """The world size the launcher (accelerate launch / torchrun / SLURM+torchrun) announced."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The world size the launcher (accelerate launch / torchrun / SLURM+torchrun) announced; 1 without one."""
+    world = launched_world()
+    return world.num_processes if world else 1
 
 
 def build_accelerator(args: TrainingArguments) -> Accelerator:

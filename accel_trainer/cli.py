@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="run a recipe file with training arguments", add_help=False)
-    for module in ("wizard", "preflight"):
+    for module in ("wizard", "preflight", "launch"):
         try:
             mod = __import__(f"accel_trainer.{module}", fromlist=["add_parser"])
         except ImportError:

@@ -74,11 +74,17 @@ class Reporter:
 
 
 def topology(accelerator) -> dict:
+    """The world this run formed, for run_config.json: sizes from the launcher (topology.launched_world), the
+    device and backend from Accelerate, and the network choices that decide how machines find each other."""
+    from .topology import NETWORK_ENV, launched_world
+
     state = accelerator.state
+    world = launched_world()
     return {
         "num_processes": accelerator.num_processes,
-        "num_machines": int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("ACCELERATE_NUM_MACHINES", "1")) or 1),
-        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        "num_machines": world.num_machines if world else 1,
+        "local_world_size": world.processes_per_machine if world else 1,
+        "machine_rank": world.machine_rank if world else None,
         "distributed_type": str(
             state.distributed_type.value if hasattr(state.distributed_type, "value") else state.distributed_type
         ),
@@ -86,5 +92,6 @@ def topology(accelerator) -> dict:
         "device": str(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,
         "hostname": platform.node(),
+        "network": {k: os.environ[k] for k in NETWORK_ENV if k in os.environ},
         "argv": sys.argv,
     }

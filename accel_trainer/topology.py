@@ -28,6 +28,9 @@ from accel_trainer.errors import UserError
 # torchrun waits 900 s (static) or 600 s (c10d) for a missing machine by default; we bound it tighter.
 DEFAULT_RDZV_TIMEOUT_S = 120
 DEFAULT_PORT = 29500
+# How the processes find each other: the store address torchrun gives the workers, and the interfaces gloo and
+# NCCL use. Recorded in run_config.json's topology and shown by `accel-trainer check`.
+NETWORK_ENV = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class TopologyError(UserError):
@@ -43,10 +46,40 @@ class World:
     source: str  # where these numbers come from, for messages
     distributed_type: str | None = None  # as the launcher saw it (config or flags)
     launcher_flags: str | None = None  # e.g. "--cpu", for the fix hint
+    machine_rank: int | None = None  # GROUP_RANK under torchrun (c10d assigns it at the rendezvous)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Reading the world: what the config / launcher describes, and what the environment says
+
+
+def load_config(path: str):
+    """An accelerate config file, read with accelerate's own loader (what `accelerate launch` reads), or a
+    UserError whose one line names the file, the line and the fix -- not a YAML parser traceback."""
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    fix = "Fix the file, or write a new one with `accel-trainer config`."
+    if not os.path.isfile(path):
+        raise UserError(
+            f"{path}: no such config file. Write one with `accel-trainer config` or pick one in accelerate_configs/."
+        )
+    try:
+        return load_config_from_file(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        ctx, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if ctx and cmark is not None and mark is not None and cmark.line != mark.line:
+            what += f"; {ctx} started at line {cmark.line + 1}"
+        raise UserError(f"{where}: not valid YAML ({what}). {fix}") from None
+    except AttributeError:  # yaml.safe_load gave a list or a string: accelerate calls .get on it
+        raise UserError(
+            f"{path}: not an accelerate config (the YAML is not a mapping of keys to values). {fix}"
+        ) from None
+    except (ValueError, TypeError, KeyError) as e:  # unknown keys, a bad enum value, a missing field
+        raise UserError(f"{path}: accelerate cannot load it: {' '.join(str(e).split()).rstrip('.')}. {fix}") from None
 
 
 def world_from_config(config, source="config") -> World:
@@ -123,14 +156,25 @@ def world_from_launch_argv(argv: list[str], cwd: str = ".") -> World | None:
     return World(int(total), machines, int(total) // machines, src, dtype, flags)
 
 
-def env_world() -> World | None:
-    """The world torchrun (what `accelerate launch` uses for multi-process runs) formed, from its env vars."""
+def launched_world() -> World | None:
+    """The world the launcher formed (torchrun, which `accelerate launch` uses for several processes, SLURM +
+    torchrun, `notebook_launcher`), from its environment; None when no launcher set WORLD_SIZE (one plain process).
+
+    The one place that reads WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE and GROUP_RANK: the Accelerator
+    builder, the world check, run_config.json's topology and `accel-trainer check` all ask here."""
     if "WORLD_SIZE" not in os.environ:
         return None
     total = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", total))
     machines = int(os.environ.get("GROUP_WORLD_SIZE", max(total // max(local, 1), 1)))
-    return World(total, machines, local, "the launcher's environment (WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE)")
+    rank = os.environ.get("GROUP_RANK")
+    return World(
+        total,
+        machines,
+        local,
+        "the launcher's environment (WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE)",
+        machine_rank=None if rank is None else int(rank),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,7 +189,7 @@ _FIX_ONE_WORLD = (
 
 
 def _fix_for(expected: World, actual_total: int) -> str:
-    if actual_total == 1 and "WORLD_SIZE" not in os.environ:  # accelerate's simple launcher ran it: one process
+    if actual_total == 1 and launched_world() is None:  # accelerate's simple launcher ran it: one process
         how = {"--cpu": "`--cpu`", None: f"a `distributed_type: {expected.distributed_type}` launch"}.get(
             expected.launcher_flags, expected.launcher_flags
         )
@@ -177,9 +221,9 @@ def check_world(accelerator, expected: dict | None = None) -> World:
     `accelerate launch` command line that started us is read (see `launcher_world`). Returns the actual world.
     """
     total = int(accelerator.num_processes)
-    env = env_world()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", total))
-    machines = int(os.environ.get("GROUP_WORLD_SIZE", max(total // max(local, 1), 1)))
+    env = launched_world()
+    local = env.processes_per_machine if env else total
+    machines = env.num_machines if env else 1
     actual = World(total, machines, local, "this Accelerator")
     here = f"(process {accelerator.process_index}, local {accelerator.local_process_index})"
 
@@ -195,8 +239,8 @@ def check_world(accelerator, expected: dict | None = None) -> World:
             f"The launcher says WORLD_SIZE={env.num_processes} but the Accelerator joined a world of {total} "
             f"{here}. Check for stale WORLD_SIZE/RANK/LOCAL_RANK variables exported in your shell or job script."
         )
-    rank = os.environ.get("GROUP_RANK")
-    if rank is not None and not 0 <= int(rank) < machines:
+    rank = env.machine_rank if env else None
+    if rank is not None and not 0 <= rank < machines:
         raise TopologyError(f"Machine rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}).")
 
     # 2. The world the caller / the launch command / the config file describes.

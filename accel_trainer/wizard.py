@@ -275,7 +275,8 @@ def add_arguments(p: argparse.ArgumentParser):
     )
 
 
-def run(a) -> int:
+def write_config(a) -> int:
+    """Write the config (and the SLURM script) the arguments `a` describe, print the launch lines; 0 on success."""
     from accelerate.commands.config.config_args import load_config_from_file
 
     hw = detect()
@@ -373,14 +374,14 @@ def add_parser(sub):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=write_config)
     return p
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="accel-trainer config", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return write_config(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def test_gpu_config_on_a_machine_without_gpu_fails_before_launching(capsys):
 
 def test_missing_and_broken_files(tmp_path, capsys):
     assert preflight.main(["--config_file", str(tmp_path / "nope.yaml")]) == 1
-    assert "accelerate cannot load it" in capsys.readouterr().out
+    assert "nope.yaml: no such config file" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
     bad.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nnum_procesess: 3\n")
     assert preflight.main(["--config_file", str(bad)]) == 1

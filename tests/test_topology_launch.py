@@ -291,11 +291,11 @@ def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
 
 
 def test_wrapper_refuses_a_config_that_would_run_the_wrong_world(tmp_path, capsys):
-    from accel_trainer import preflight
+    from accel_trainer import launch
 
     cfg = tmp_path / "multi_cpu.yaml"
     cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: 'no'\nuse_cpu: true\n")
-    assert preflight.launch(["--config_file", str(cfg), "recipes/regression.py"]) == 2
+    assert launch.launch(["--config_file", str(cfg), "recipes/regression.py"]) == 2
     assert "launched by accelerate as ONE process" in capsys.readouterr().err
 
 
@@ -352,14 +352,14 @@ def test_each_process_alone_in_a_world_of_one_is_stopped(tmp_path):
 
 
 def test_wrapper_refuses_a_rank_out_of_range_and_an_unresolvable_main_address(tmp_path, capsys):
-    from accel_trainer import preflight
+    from accel_trainer import launch
 
     cfg = two_machine_config(tmp_path, "static", free_port())
     capsys.readouterr()
-    assert preflight.launch(["--config_file", cfg, "--machine_rank", "2", "recipes/regression.py"]) == 2
+    assert launch.launch(["--config_file", cfg, "--machine_rank", "2", "recipes/regression.py"]) == 2
     assert "--machine_rank 2 is out of range for 2 machines (valid: 0..1)" in capsys.readouterr().err
     assert (
-        preflight.launch(
+        launch.launch(
             [
                 "--config_file",
                 cfg,
@@ -373,3 +373,29 @@ def test_wrapper_refuses_a_rank_out_of_range_and_an_unresolvable_main_address(tm
         == 2
     )
     assert "cannot resolve machine 0's address 'machine0.invalid'" in capsys.readouterr().err
+
+
+MALFORMED = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: [2\nuse_cpu: true\n"
+
+
+@pytest.mark.parametrize("command", ["launch", "check"])
+def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path, command):
+    """A YAML typo gives one line (file:line:column, what, the fix), a non-zero exit, no parser traceback."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MALFORMED)
+    tail = ["recipes/regression.py", "--output_dir", str(tmp_path / "o")] if command == "launch" else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "accel_trainer.cli", command, "--config_file", str(bad), *tail],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env(),
+        cwd=ROOT,
+    )
+    out = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode != 0
+    assert "Traceback" not in out and len(out.splitlines()) == 1, out
+    # the parser notices at line 4; the unclosed bracket opened on line 3
+    assert f"{bad}:4:8: not valid YAML" in out and "started at line 3" in out, out
+    assert "accel-trainer config" in out  # the fix
+    assert not (tmp_path / "o").exists()

@@ -186,3 +186,13 @@ def test_process_group_timeout_is_bounded_and_validated():
     assert topology.process_group_kwargs(90).timeout == datetime.timedelta(seconds=90)
     with pytest.raises(ValueError, match="positive"):
         topology.process_group_kwargs(0)
+
+
+def test_launched_world_is_read_from_the_launcher_environment(torchrun_env):
+    assert topology.launched_world() is None  # no launcher: one plain process
+    torchrun_env(world=4, local=2, machines=2, group_rank=1)
+    w = topology.launched_world()
+    assert (w.num_processes, w.num_machines, w.processes_per_machine, w.machine_rank) == (4, 2, 2, 1)
+    from accel_trainer.accel import launched_world_size
+
+    assert launched_world_size() == 4
