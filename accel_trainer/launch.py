@@ -1,21 +1,39 @@
 """`accel-trainer launch`: `accelerate launch`, with what accelerate leaves out for several machines.
 
-It takes the same arguments as `accelerate launch` and adds the rendezvous flags accelerate does not read from the
-config file (`--rdzv_backend`; a bounded `--rdzv_conf` timeout), refuses at once a config that would run the wrong
-world, a machine rank out of range and an address that does not resolve, passes the output through, and when the
-run fails says who was missing and what to check (`diagnose`, shared with `accel-trainer check`).
+It takes the same arguments as `accelerate launch` and:
+- adds the rendezvous flags accelerate does not read from the config file (`--rdzv_backend`; a bounded
+  `--rdzv_conf` timeout) and, for c10d, which machine hosts the rendezvous store (`is_host`);
+- finds, on this machine, the address and interface on the route to machine 0 and makes gloo, NCCL and
+  torchrun use them (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, torchrun's local address) -- the user's own
+  settings win;
+- refuses at once a config that would run the wrong world, a machine rank out of range and an address that does
+  not resolve or has no route;
+- turns a preemption into one signal per worker and exit code 75 (faults.EXIT_PREEMPTED), which torchrun would
+  report as 1, so that a job script can requeue;
+- passes the output through, and when the run fails says who was missing or lost and what to check (`diagnose`,
+  shared with `accel-trainer check`).
 """
 
 import argparse
 import os
 import re
+import select
 import shlex
-import socket
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 
 from accel_trainer import topology
 from accel_trainer.errors import UserError
+from accel_trainer.faults import EXIT_PREEMPTED
+
+# The Trainer's last line after its preemption checkpoint, and torchrun's report of a worker's exit code: either
+# one in the output means the workers stopped for a preemption (tests/test_slurm.py keeps this in sync).
+_PREEMPTED = re.compile(rf"exiting with code {EXIT_PREEMPTED}\b|exitcode\s*:\s*{EXIT_PREEMPTED}\b")
+_RECEIVED = re.compile(r"\[rank (\d+)\] (SIGUSR1|SIGTERM) received")
+FORWARD_GRACE_S = 2.0  # a signal sent to every process of a job step reaches the workers directly within this
 
 
 def diagnose(output: str, config=None, machine_rank: int = 0) -> str:
@@ -67,87 +85,230 @@ def add_parser(sub):
     return p
 
 
-def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S) -> int:
-    """Run `accelerate launch <argv>`: refuse a config that would run the wrong world, add the rendezvous flags
-    accelerate does not take from the file (--rdzv_backend, a bounded --rdzv_conf), and on failure say who
-    was missing and what to check. Output is passed through unchanged (progress bars included)."""
+@dataclass
+class Plan:
+    """What `accel-trainer launch` will run on this machine, and why."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    config: object = None
+    machines: int = 1
+    machine_rank: int = 0
+    max_restarts: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _refuse(msg: str):
+    raise UserError(msg)
+
+
+def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S) -> Plan:
+    """The `accelerate launch` command and environment for `argv` on this machine; UserError when it would fail."""
     from accelerate.commands.launch import launch_command_parser
 
-    if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: accel-trainer launch [accelerate launch arguments] script.py [script arguments]\n"
-            "  like `accelerate launch`; several machines get --rdzv_backend from the config and "
-            f"--rdzv_conf with a {rdzv_timeout_s} s timeout unless given"
-        )
-        return 0 if argv else 2
     args, _ = launch_command_parser().parse_known_args(argv)
-    try:
-        config = topology.load_config(args.config_file) if args.config_file else None
-    except UserError as e:
-        print(f"launch: {e}", file=sys.stderr)
-        return 2
+    config = topology.load_config(args.config_file) if args.config_file else None
     if config is not None:
         problems = topology.validate_config(config)
         if problems:
-            print(
-                "launch: refusing to launch " + args.config_file + ":\n" + "\n".join(f"  - {p}" for p in problems),
-                file=sys.stderr,
-            )
-            return 2
+            _refuse(f"refusing to launch {args.config_file}:\n" + "\n".join(f"  - {p}" for p in problems))
     at = argv.index(args.training_script)  # our flags go before the script; its own arguments stay after it
     given = {a.split("=")[0] for a in argv[:at]}
     machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)
     rank = int(args.machine_rank or 0)
     if machines > 1 and not 0 <= rank < machines:
-        print(
-            f"launch: --machine_rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}); "
-            "give each machine its own rank.",
-            file=sys.stderr,
+        _refuse(
+            f"--machine_rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}); "
+            "give each machine its own rank."
         )
-        return 2
     host = args.main_process_ip or getattr(config, "main_process_ip", None)
-    if machines > 1 and rank > 0 and host:
-        try:  # a name that does not resolve fails here, at once, instead of after the rendezvous timeout
-            socket.getaddrinfo(host, None)
-        except socket.gaierror as e:
-            print(
-                f"launch: cannot resolve machine 0's address {host!r} ({e}); pass --main_process_ip with its "
-                "cluster-network IP.",
-                file=sys.stderr,
-            )
-            return 2
-    extra = []
+    port = int(args.main_process_port or getattr(config, "main_process_port", None) or topology.DEFAULT_PORT)
+    if config is not None:  # for the diagnosis: the address and port this launch really uses
+        config.main_process_ip, config.main_process_port = host, port
+    env, notes, extra, route = dict(os.environ), [], [], None
+    if machines > 1 and host:
+        # Fails at once on a name that does not resolve or an address without a route, instead of after the
+        # rendezvous timeout.
+        route = topology.route_to(host, port)
+        new, kept = topology.network_env(route, env)
+        env.update(new)
+        notes.append(
+            f"machine {rank}: {route.describe()}; "
+            + " ".join(f"{k}={v}" for k, v in new.items())
+            + (f" (yours kept: {' '.join(f'{k}={v}' for k, v in kept.items())})" if kept else "")
+        )
+        if rank > 0 and route.main_ip.startswith("127.") and not route.local_ip.startswith("127."):
+            notes.append(f"machine {rank}: {host} is a loopback address: other machines cannot reach it")
+    backend = args.rdzv_backend if "--rdzv_backend" in given else getattr(config, "rdzv_backend", None) or "static"
     if machines > 1:
-        backend = args.rdzv_backend if "--rdzv_backend" in given else getattr(config, "rdzv_backend", "static")
         if "--rdzv_backend" not in given:
             extra += ["--rdzv_backend", backend]
-        if "--rdzv_conf" not in given:
-            extra += ["--rdzv_conf", topology.rdzv_conf(backend, rdzv_timeout_s)]
-    env = dict(os.environ)
-    backend = dict(zip(extra[::2], extra[1::2])).get("--rdzv_backend", args.rdzv_backend)
+        conf = args.rdzv_conf if "--rdzv_conf" in given else topology.rdzv_conf(backend, rdzv_timeout_s)
+        conf = topology.host_role(conf or "", backend, rank, route)
+        if "--rdzv_conf" in given:  # the user's value, with the host role added when they did not set it
+            argv = _replace_flag(argv[:at], "--rdzv_conf", conf) + argv[at:]
+            at = argv.index(args.training_script)
+        else:
+            extra += ["--rdzv_conf", conf]
     if args.max_restarts and backend == "c10d":
         env.setdefault(topology.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see topology.py)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *argv[:at], *extra, *argv[at:]]
-    print("accel-trainer launch: accelerate launch " + shlex.join(cmd[3:]), flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    tail = b""
+    return Plan(cmd, env, config, machines, rank, int(args.max_restarts or 0), notes)
+
+
+def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            out += [flag, value]
+            skip = True
+        elif a.startswith(flag + "="):
+            out.append(f"{flag}={value}")
+        else:
+            out.append(a)
+    return out
+
+
+def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S) -> int:
+    """Run `accelerate launch <argv>` as planned (see the module docstring). Output is passed through unchanged
+    (progress bars included). Exit code: the launcher's, 75 when the workers stopped for a preemption."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: accel-trainer launch [accelerate launch arguments] script.py [script arguments]\n"
+            "  like `accelerate launch`; several machines get --rdzv_backend from the config, --rdzv_conf with a "
+            f"{rdzv_timeout_s} s timeout unless given, and the network interface on the route to machine 0"
+        )
+        return 0 if argv else 2
     try:
-        while chunk := os.read(proc.stdout.fileno(), 65536):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
-            tail = (tail + chunk)[-65536:]
-        rc = proc.wait()
-    except KeyboardInterrupt:  # the terminal sent SIGINT to the launcher too; give it a bounded time to stop
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
+        p = plan(argv, rdzv_timeout_s)
+    except UserError as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    for note in p.notes:
+        print(f"accel-trainer launch: {note}", flush=True)
+    print("accel-trainer launch: accelerate launch " + shlex.join(p.cmd[3:]), flush=True)
+    run = _Run(p)
+    rc, output = run.wait()
+    if rc != 0 and _PREEMPTED.search(output):
+        print(
+            f"accel-trainer launch: preempted: the workers wrote a checkpoint and stopped; exit {EXIT_PREEMPTED} "
+            "(requeue the job, or rerun with --resume_from_checkpoint auto)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_PREEMPTED
     if rc != 0:
-        if config is not None and args.main_process_ip:
-            config.main_process_ip = args.main_process_ip
-        if config is not None and args.main_process_port:
-            config.main_process_port = args.main_process_port
-        why = diagnose(tail.decode(errors="replace"), config, args.machine_rank or 0)
+        why = diagnose(output, p.config, p.machine_rank)
+        if run.signalled:
+            why = f"{run.signalled} arrived and no preemption checkpoint was reported; " + why
         print(f"accel-trainer launch: the run failed (exit {rc}): {why}", file=sys.stderr, flush=True)
     return rc
+
+
+class _Run:
+    """The `accelerate launch` child, its output passed through, and preemption signals turned into exactly one
+    SIGUSR1 per worker on this machine.
+
+    A preemption signal may reach only this launcher (`kill`, SLURM's `--signal=B:...` forwarded by the batch
+    script through srun with process-group tracking) or every process of the job step at once (SLURM with
+    cgroup or linuxproc tracking). The Trainer treats a second signal as "stop now, no checkpoint", so the
+    launcher waits FORWARD_GRACE_S, reads which ranks already said "[rank N] SIGUSR1 received", and signals
+    only the others. torchrun's agent ignores SIGUSR1 (it would otherwise die of it and orphan the workers);
+    after the workers stopped, an agent with --max_restarts is told to stop instead of restarting them."""
+
+    def __init__(self, p: Plan):
+        self.plan, self.signalled, self.forwarded, self.signal_at = p, None, False, 0.0
+        self.received: set[int] = set()
+        self.terms = 0
+        self.proc = subprocess.Popen(
+            p.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=p.env,
+            preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),  # inherited by the agent only
+        )
+        self.previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signalled is None:
+            self.signalled, self.signal_at = name, time.monotonic()
+            os.write(2, f"accel-trainer launch: {name}: the workers checkpoint and stop\n".encode())
+        elif signum == signal.SIGTERM:
+            self.terms += 1  # a second SIGTERM: stop now (the agent terminates the workers)
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+
+    def _workers(self):
+        import psutil
+
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+        out = []
+        for k in kids:
+            try:
+                rank = k.environ().get("RANK")
+            except psutil.Error:
+                continue
+            if rank is not None:
+                out.append((int(rank), k))
+        return out
+
+    def _forward(self):
+        """Once, FORWARD_GRACE_S after the signal: SIGUSR1 to each worker that did not report one."""
+        self.forwarded = True
+        workers = self._workers()
+        for rank, w in workers:
+            if rank not in self.received:
+                try:
+                    w.send_signal(signal.SIGUSR1)
+                except Exception:  # noqa: BLE001 - it exited meanwhile
+                    pass
+        self.watched = [w for _, w in workers]
+
+    def _stop_restarts(self):
+        """With --max_restarts the agent would restart workers that stopped for a preemption: once they are all
+        gone, tell it to stop (a worker it restarted meanwhile gets SIGTERM, a preemption signal too)."""
+        if self.plan.max_restarts and self.forwarded and self.watched is not None:
+            if all(not w.is_running() or w.status() == "zombie" for w in self.watched):
+                self.watched = None
+                if self.proc.poll() is None:
+                    self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self) -> tuple[int, str]:
+        self.watched = None
+        fd, tail, text = self.proc.stdout.fileno(), b"", ""
+        try:
+            while True:
+                try:
+                    ready, _, _ = select.select([fd], [], [], 0.25)
+                except InterruptedError:
+                    ready = []
+                if ready:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        break
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.buffer.flush()
+                    tail = (tail + chunk)[-262144:]
+                    text = tail.decode(errors="replace")
+                    self.received |= {int(r) for r, _ in _RECEIVED.findall(text)}
+                if self.signalled and not self.forwarded and time.monotonic() - self.signal_at >= FORWARD_GRACE_S:
+                    self._forward()
+                self._stop_restarts()
+            rc = self.proc.wait()
+        except KeyboardInterrupt:  # the terminal sent SIGINT to the launcher too; give it a bounded time to stop
+            try:
+                rc = self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                rc = self.proc.wait()
+        finally:
+            for s, h in self.previous.items():
+                signal.signal(s, h)
+        return rc, tail.decode(errors="replace")

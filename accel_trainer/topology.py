@@ -387,6 +387,97 @@ def reachable(host: str, port: int, timeout_s: float = 5.0) -> tuple[bool, str]:
         return False, f"cannot reach {host}:{port}: {e} (check the address and the route/interface)"
 
 
+@dataclass
+class Route:
+    """How this machine reaches machine 0: the address and interface its traffic to `main_ip` leaves from."""
+
+    main: str  # machine 0's address as configured (an IP or a host name)
+    main_ip: str  # ... resolved here
+    local_ip: str  # this machine's source address on the route to main_ip
+    interface: str | None  # the interface that owns local_ip (None: not found)
+    is_main: bool  # this machine owns main_ip (it is machine 0, or everything runs on loopback)
+
+    def describe(self) -> str:
+        via = f"interface {self.interface}" if self.interface else "an interface not found by name"
+        shown = self.main if self.main == self.main_ip else f"{self.main} ({self.main_ip})"
+        if self.is_main:
+            return f"this machine owns machine 0's address {shown} ({via})"
+        return f"this machine reaches machine 0's address {shown} from {self.local_ip} ({via})"
+
+
+def local_addresses() -> dict[str, str]:
+    """Every address of this machine (IPv4 and IPv6) -> the interface that owns it."""
+    import psutil  # an accelerate dependency; the standard library cannot list addresses per interface
+
+    out = {}
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                out.setdefault(a.address.split("%")[0], name)
+    return out
+
+
+def route_to(host: str, port: int = DEFAULT_PORT) -> Route:
+    """The address and interface this machine uses to reach `host`. A UDP socket's connect() asks the kernel for
+    the route and the source address without sending anything (what `ip route get` prints, without iproute2).
+    UserError when the name does not resolve or no route leads there."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    except socket.gaierror as e:
+        raise UserError(
+            f"cannot resolve machine 0's address {host!r} ({e}); use its IP address on the cluster network "
+            "(main_process_ip / --main_process_ip)."
+        ) from None
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            local = s.getsockname()[0]
+    except OSError as e:
+        raise UserError(
+            f"no route from this machine to machine 0's address {host} ({addr[0]}): {e.strerror or e}. Check the "
+            "address, and that this machine's network interface on that network is up (`ip addr`, `ip route`)."
+        ) from None
+    mine = local_addresses()
+    return Route(host, addr[0], local, mine.get(local), addr[0] in mine)
+
+
+def network_env(route: Route, environ=None) -> tuple[dict[str, str], dict[str, str]]:
+    """The variables that make gloo, NCCL and torchrun use the route to machine 0: (to set, already set by the
+    user -- theirs win). Without them gloo and torchrun use the address the host name resolves to, which on many
+    clusters (containers, several NICs, a management network) is not the training network: gloo advertises
+    127.0.0.1 and the other machines get "Connection refused"; c10d workers are handed machine 0's host name.
+
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: the interface gloo / NCCL bind to ("=" is NCCL's exact match).
+    PET_LOCAL_ADDR: torchrun's `--local_addr` (its `PET_` variables are its flags' defaults), which accelerate
+    launch does not pass on: the address this machine's agent announces, and under c10d the MASTER_ADDR the
+    workers get from machine 0."""
+    environ = os.environ if environ is None else environ
+    want = {"PET_LOCAL_ADDR": route.local_ip}
+    if route.interface:
+        want["GLOO_SOCKET_IFNAME"] = route.interface
+        want["NCCL_SOCKET_IFNAME"] = "=" + route.interface
+    new = {k: v for k, v in want.items() if not environ.get(k)}
+    kept = {k: environ[k] for k in want if environ.get(k)}
+    return new, kept
+
+
+def host_role(rdzv_conf_value: str, backend: str, machine_rank: int, route: Route | None) -> str:
+    """`rdzv_conf` with the c10d store's host role made explicit, unless the user set `is_host`.
+
+    torch decides by comparing the endpoint with the host name's addresses, so machine 0 does not recognise its
+    cluster address (10.77.0.1 is not what `vm` resolves to) and nobody hosts the store; on one host with two
+    launches both would try. Machine 0 hosts when it owns the address; the others never do."""
+    if backend != "c10d" or "is_host" in rdzv_conf_value:
+        return rdzv_conf_value
+    if machine_rank != 0:
+        role = "is_host=0"
+    elif route is not None and route.is_main:
+        role = "is_host=1"
+    else:
+        return rdzv_conf_value  # machine 0 does not own the address (NAT, forwarding): leave it to torch
+    return f"{rdzv_conf_value},{role}" if rdzv_conf_value else role
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Launch command lines
 
@@ -430,10 +521,12 @@ def launch_command(
     rdzv_timeout_s: int = DEFAULT_RDZV_TIMEOUT_S,
     max_restarts: int = 0,
 ) -> str:
-    """The `accelerate launch` line to run on machine `machine_rank` (one config file for all machines)."""
-    cmd = ["accelerate", "launch", "--config_file", config_path]
-    if max_restarts and config.rdzv_backend == "c10d":
-        cmd = [f"{RESTART_SAFE_ENV}=1"] + cmd
+    """The `accel-trainer launch` line to run on machine `machine_rank` (one config file for all machines).
+
+    `accel-trainer launch` rather than `accelerate launch`: on each machine it finds the interface on the route to
+    machine 0 and the c10d host role (launch.py); the rendezvous flags are written out so that the line shows
+    what runs (and the wizard's timeout applies)."""
+    cmd = ["accel-trainer", "launch", "--config_file", config_path]
     if int(config.num_machines or 1) > 1:
         cmd += ["--machine_rank", str(machine_rank)] + rdzv_flags(config.rdzv_backend, rdzv_timeout_s)
     if max_restarts:

@@ -15,6 +15,7 @@ import socket
 import sys
 
 from accel_trainer import topology
+from accel_trainer.faults import EXIT_PREEMPTED
 
 MIXED = ("no", "bf16", "fp16")
 SHARDING = ("none", "fsdp", "deepspeed")
@@ -88,28 +89,78 @@ def build_config(
     )
 
 
-def slurm_script(config_path, config, script, rdzv_timeout_s, max_restarts=0, job_name="accel-trainer") -> str:
-    """A batch script: one `accelerate launch` per node via srun; the rank comes from SLURM_NODEID *on that
-    node* (single quotes: expanded by each task, not once on the batch host -- the every-node-is-rank-0 bug)."""
+PREEMPT_NOTICE_S = 120  # SLURM's warning before the time limit: time to reach an update boundary and checkpoint
+
+
+def slurm_script(
+    config_path,
+    config,
+    script,
+    rdzv_timeout_s,
+    max_restarts=0,
+    job_name="accel-trainer",
+    requeue=True,
+    notice_s=PREEMPT_NOTICE_S,
+) -> str:
+    """A batch script: one `accel-trainer launch` per node via srun (it picks each node's interface on the route
+    to the first node); the rank comes from SLURM_NODEID *on that node* (single quotes: expanded by each task, not
+    once on the batch host -- the every-node-is-rank-0 bug).
+
+    Preemption: SLURM sends SIGUSR1 to the batch shell `notice_s` before the time limit (`--signal=B:USR1@`), or
+    when asked (`scancel --batch --signal=USR1 <job>`); the shell passes it to srun, srun to the launchers, and
+    the launchers to the workers (once each). The workers checkpoint and exit 75 (faults.EXIT_PREEMPTED), which
+    `accel-trainer launch` returns; the script then requeues the job (`--requeue`, `scontrol requeue`) and the
+    next run continues from the newest checkpoint (`--resume_from_checkpoint auto`)."""
     per = config.num_processes // config.num_machines
     gres = "" if config.use_cpu else f"#SBATCH --gpus-per-node={per}\n"
     restarts = f" --max_restarts {max_restarts}" if max_restarts else ""
     # A fresh rendezvous store per restart round (see topology.RESTART_SAFE_ENV).
     restart_env = f"export {topology.RESTART_SAFE_ENV}=1\n" if max_restarts and config.rdzv_backend == "c10d" else ""
+    rdzv = ""
+    if config.num_machines > 1:
+        rdzv = (
+            f" \\\n    --rdzv_backend {config.rdzv_backend} "
+            f"--rdzv_conf {topology.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}"
+        )
+    requeue_line = "#SBATCH --requeue\n" if requeue else ""
+    on_75 = (
+        f"""if [ "$rc" -eq {EXIT_PREEMPTED} ]; then
+    echo "preempted: the checkpoint is written; requeueing job $SLURM_JOB_ID (it resumes from the checkpoint)"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+"""
+        if requeue
+        else f"""if [ "$rc" -eq {EXIT_PREEMPTED} ]; then
+    echo "preempted: the checkpoint is written; resubmit this script to resume (written with --no-requeue)"
+fi
+"""
+    )
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={config.num_machines}
 #SBATCH --ntasks-per-node=1
 {gres}#SBATCH --output=%x-%j.out
-# One launcher per node; each starts {per} process(es). Extra arguments go to the training script.
-set -euo pipefail
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@{notice_s}
+{requeue_line}# One `accel-trainer launch` per node; each starts {per} process(es). Extra arguments go to the training script.
+# Preemption: USR1 reaches this shell {notice_s} s before the time limit (or `scancel --batch --signal=USR1 <job>`);
+# it is passed on to the workers, which checkpoint and exit {EXIT_PREEMPTED}; then the job {"requeues itself and " if requeue else ""}resumes
+# from the newest checkpoint (--resume_from_checkpoint auto). docs/topology.md, "Tested under SLURM".
+set -uo pipefail
 export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MAIN_PORT={config.main_process_port or topology.DEFAULT_PORT}
-{restart_env}srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --config_file {config_path} \\
+{restart_env}echo "job $SLURM_JOB_ID start (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST"
+SRUN=
+trap 'echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
+srun --kill-on-bad-exit=1 bash -c 'exec accel-trainer launch --config_file {config_path} \\
     --machine_rank "$SLURM_NODEID" \\
-    --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \\
-    --rdzv_backend {config.rdzv_backend} --rdzv_conf {topology.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}{restarts} \\
-    {script} "$@"' _ "$@"
+    --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT"{rdzv}{restarts} \\
+    {script} --resume_from_checkpoint auto "$@"' _ "$@" &
+SRUN=$!
+# `wait` returns early when the trap runs: wait again until srun has really ended.
+while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || break; done
+echo "job $SLURM_JOB_ID: the launchers exited with $rc"
+{on_75}exit "$rc"
 """
 
 
@@ -260,6 +311,19 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--deepspeed", dest="sharding", action="store_const", const="deepspeed")
     p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage")
     p.add_argument("--slurm", action="store_true", help="also write <dir>/<name>.slurm.sh")
+    p.add_argument(
+        "--no-requeue",
+        dest="requeue",
+        action="store_false",
+        help="SLURM script: on preemption (exit 75) do not requeue the job (default: it requeues itself)",
+    )
+    p.add_argument(
+        "--preempt-notice",
+        type=int,
+        default=PREEMPT_NOTICE_S,
+        help=f"SLURM script: seconds before the time limit at which USR1 asks for a checkpoint "
+        f"(default {PREEMPT_NOTICE_S})",
+    )
     p.add_argument("--script", default="recipes/<recipe>.py", help="training script shown in launch lines")
     p.add_argument(
         "--skip-device-check",
@@ -352,7 +416,11 @@ def write_config(a) -> int:
     if a.slurm:
         spath = os.path.join(a.dir, f"{name}.slurm.sh")
         with open(spath, "w") as f:
-            f.write(slurm_script(path, config, a.script, a.rdzv_timeout, restarts, job_name=name))
+            f.write(
+                slurm_script(
+                    path, config, a.script, a.rdzv_timeout, restarts, name, requeue=a.requeue, notice_s=a.preempt_notice
+                )
+            )
         os.chmod(spath, 0o755)
         print(f"Wrote {spath}: sbatch {spath} [script arguments]")
     return 0

@@ -4,13 +4,31 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --output=%x-%j.out
-# One launcher per node; each starts 8 process(es). Extra arguments go to the training script.
-set -euo pipefail
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+# One `accel-trainer launch` per node; each starts 8 process(es). Extra arguments go to the training script.
+# Preemption: USR1 reaches this shell 120 s before the time limit (or `scancel --batch --signal=USR1 <job>`);
+# it is passed on to the workers, which checkpoint and exit 75; then the job requeues itself and resumes
+# from the newest checkpoint (--resume_from_checkpoint auto). docs/topology.md, "Tested under SLURM".
+set -uo pipefail
 export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MAIN_PORT=29500
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch --config_file accelerate_configs/gpu_2x8_bf16_c10d.yaml \
+echo "job $SLURM_JOB_ID start (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"
+SRUN=
+trap 'echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
+srun --kill-on-bad-exit=1 bash -c 'exec accel-trainer launch --config_file accelerate_configs/gpu_2x8_bf16_c10d.yaml \
     --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \
     --rdzv_backend c10d --rdzv_conf join_timeout=120,read_timeout=120 --max_restarts 3 \
-    recipes/<recipe>.py "$@"' _ "$@"
+    recipes/<recipe>.py --resume_from_checkpoint auto "$@"' _ "$@" &
+SRUN=$!
+# `wait` returns early when the trap runs: wait again until srun has really ended.
+while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || break; done
+echo "job $SLURM_JOB_ID: the launchers exited with $rc"
+if [ "$rc" -eq 75 ]; then
+    echo "preempted: the checkpoint is written; requeueing job $SLURM_JOB_ID (it resumes from the checkpoint)"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"

@@ -4,6 +4,7 @@ run with --max_restarts 1 survives a worker failing once; and each way a world c
 error, a non-zero exit and no hang (every wait below is bounded)."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from helpers import ROOT, assert_same_weights, env, free_port, weights
+from helpers import ROOT, assert_same_weights, env, free_port, launch_cmd, weights
 
 from accel_trainer import wizard
 from accel_trainer.topology import RESTART_SAFE_ENV, rdzv_flags
@@ -254,7 +255,8 @@ def test_missing_peer_c10d_fails_within_bound_and_says_what_to_check(tmp_path):
     took = time.monotonic() - t0
     assert proc.returncode != 0
     assert took < BOUND, took
-    assert "--rdzv_backend c10d" in proc.stdout.splitlines()[0]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("accel-trainer launch: accelerate launch"))
+    assert "--rdzv_backend c10d" in line and "join_timeout=5,read_timeout=5,is_host=1" in line, line
     assert "RendezvousTimeoutError" in proc.stdout, proc.stdout[-2000:]
     assert "not all 2 machines joined the c10d rendezvous" in proc.stderr, proc.stderr[-2000:]
 
@@ -399,3 +401,52 @@ def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path, command):
     assert f"{bad}:4:8: not valid YAML" in out and "started at line 3" in out, out
     assert "accel-trainer config" in out  # the fix
     assert not (tmp_path / "o").exists()
+
+
+def test_preemption_signal_to_the_launcher_alone_reaches_each_worker_once_and_exits_75(tmp_path):
+    """SIGUSR1 to `accel-trainer launch` only (what `kill <launcher>` or a batch script forwarding SLURM's
+    notice through srun with process-group tracking does): each worker gets exactly one SIGUSR1 (a second would
+    mean "exit now, no checkpoint"), all checkpoint at the same step, and the launcher exits 75 where torchrun
+    reports 1. torchrun's agent must survive the signal (it dies of it by default, orphaning the workers)."""
+    import json
+
+    import psutil
+
+    out = tmp_path / "o"
+    cmd = WRAPPER + launch_cmd(2)[3:] + ["recipes/regression.py", "--output_dir", str(out), "--max_steps", "40"]
+    log = open(tmp_path / "log.txt", "w+")
+    e = env(ACCEL_TRAINER_TEST_FAULTS="step_delay=0.2")
+    proc = subprocess.Popen(
+        cmd + ["--logging_steps", "1", "--save_steps", "0", "--disable_tqdm"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=e,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    seen = {}
+    try:
+        t0 = time.monotonic()
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert proc.poll() is None and time.monotonic() - t0 < BOUND + 60, (tmp_path / "log.txt").read_text()
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                seen[p.pid] = p
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        rc = proc.wait(timeout=BOUND)
+        _, alive = psutil.wait_procs(list(seen.values()), timeout=10)  # the workers and agent end with it
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in seen.values():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    text = (tmp_path / "log.txt").read_text()
+    assert rc == 75, text[-3000:]
+    assert text.count("[rank 0] SIGUSR1 received") == 1 and text.count("[rank 1] SIGUSR1 received") == 1, text[-3000:]
+    assert "preempted: the workers wrote a checkpoint and stopped; exit 75" in text
+    (ckpt,) = os.listdir(out / "checkpoints")
+    assert json.load(open(out / "checkpoints" / ckpt / "manifest.json"))["num_processes"] == 2
+    assert not alive, alive

@@ -70,8 +70,9 @@ def test_wizard_reproduces_each_shipped_config(name, tmp_path, capsys):
         if config.num_machines > 1:
             assert f"--machine_rank {r}" in line
             assert f"--rdzv_backend {config.rdzv_backend}" in line and "timeout=" in line
-    if "--slurm" in SHIPPED_FLAGS[name]:
-        assert (tmp_path / f"{name}.slurm.sh").exists()
+    if "--slurm" in SHIPPED_FLAGS[name]:  # the shipped script is the one the wizard writes
+        shipped = read(os.path.join(ROOT, "accelerate_configs", f"{name}.slurm.sh"))
+        assert read(tmp_path / f"{name}.slurm.sh") == shipped.replace(f"accelerate_configs/{name}.yaml", str(written))
 
 
 def fake_hw(gpus, bf16=True):
@@ -156,7 +157,7 @@ def test_interactive_through_a_pseudo_terminal(tmp_path):
     assert (config.main_process_ip, config.main_process_port, config.rdzv_backend) == ("127.0.0.1", 29555, "c10d")
     assert str(config.distributed_type.value) == "MULTI_GPU"  # several CPU processes: torchrun, never MULTI_CPU
     assert "--rdzv_conf join_timeout=45,read_timeout=45 --max_restarts 1" in out
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 accelerate launch" in out  # restarts need a fresh store per round
+    assert "accel-trainer launch --config_file" in out  # it picks each machine's interface and the store's host
     assert (tmp_path / "pty.slurm.sh").exists()
 
 
@@ -165,8 +166,11 @@ FAKE_SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
 for node in 0 1; do SLURM_NODEID=$node "$@" || exit $?; done
 """
-FAKE_SCONTROL = "#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n"
-FAKE_ACCELERATE = '#!/bin/bash\necho "LAUNCH $*"\n'
+FAKE_SCONTROL = """#!/bin/bash
+# Stand-in scontrol: the job's host names; records a requeue.
+if [ "$1" = requeue ]; then echo "$*" >> "$SCONTROL_LOG"; else printf 'node-a\\nnode-b\\n'; fi
+"""
+FAKE_LAUNCHER = '#!/bin/bash\necho "LAUNCH $*"\nexit "${FAKE_EXIT:-0}"\n'
 
 
 def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
@@ -202,10 +206,11 @@ def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
     fake = tmp_path / "bin"
     fake.mkdir()
-    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accelerate", FAKE_ACCELERATE)):
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accel-trainer", FAKE_LAUNCHER)):
         (fake / name).write_text(body)
         (fake / name).chmod(0o755)
-    e = {**env(), "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]"}
+    e = {**env(), "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "7"}
+    e["SCONTROL_LOG"] = str(tmp_path / "scontrol.log")
     proc = subprocess.run(
         ["bash", str(script), "--output_dir", "runs/x y"], capture_output=True, text=True, timeout=30, env=e
     )
@@ -216,4 +221,13 @@ def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
         assert f"--machine_rank {rank} " in line  # not every node rank 0
         assert "--main_process_ip node-a --main_process_port 29500" in line  # first node hosts the rendezvous
         assert "--rdzv_backend c10d --rdzv_conf join_timeout=120,read_timeout=120 --max_restarts 1" in line
-        assert line.endswith("recipes/regression.py --output_dir runs/x y")
+        assert line.startswith("LAUNCH launch --config_file")
+        assert line.endswith("recipes/regression.py --resume_from_checkpoint auto --output_dir runs/x y")
+    assert not (tmp_path / "scontrol.log").exists()  # no requeue after a run that ended
+
+    # Exit 75 (preempted, as `accel-trainer launch` reports it): the job requeues itself and keeps the code.
+    proc = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=30, env={**e, "FAKE_EXIT": "75"}
+    )
+    assert proc.returncode == 75 and "requeueing job 7" in proc.stdout, proc.stdout + proc.stderr
+    assert read(tmp_path / "scontrol.log").split() == ["requeue", "7"]

@@ -1,0 +1,138 @@
+"""SLURM for real: the batch script `accel-trainer config --slurm` writes is submitted with `sbatch` as written to a
+real one-node SLURM cluster (munged + slurmctld + slurmd started here, tests/slurm_cluster.py), and trains a world
+of 2 CPU processes. Preempted while it runs (`scancel --batch --signal=USR1`, what `#SBATCH --signal=B:USR1@T`
+sends before the time limit), the job checkpoints, exits 75, requeues itself, resumes from the checkpoint and
+ends with final weights byte-identical to an uninterrupted job's.
+
+Skipped (with the reason) without root or without slurm-wlm/munge (`.ci/run` installs them). Every wait is
+bounded; the daemons and the jobs' processes are stopped at the end whatever happens.
+"""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import slurm_cluster
+from helpers import RECIPES, env, free_port, run_config
+
+from accel_trainer import wizard
+from accel_trainer.faults import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.skipif(slurm_cluster.skip_reason() is not None, reason=str(slurm_cluster.skip_reason()))
+
+# 256 samples, 2 ranks x 8 = global batch 16; dropout and masked targets make every random stream matter.
+ARGS = ["--max_steps", "16", "--per_device_train_batch_size", "8", "--logging_steps", "1", "--save_steps", "0"]
+ARGS += ["--dropout", "0.2", "--mask_prob", "0.3", "--disable_tqdm"]
+JOB_BOUND = 240  # seconds one job may take on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = slurm_cluster.LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def batch_script(tmp_path) -> str:
+    """The wizard's script for one node x 2 CPU processes (absolute paths: the job runs in tmp_path)."""
+    argv = ["--dir", str(tmp_path), "--name", "job", "--no-interactive", "--machines", "1"]
+    argv += ["--processes-per-machine", "2", "--cpu", "--main-port", str(free_port()), "--slurm"]
+    assert wizard.main(argv + ["--script", os.path.join(RECIPES, "regression.py")]) == 0
+    return str(tmp_path / "job.slurm.sh")
+
+
+def job_env(**extra) -> dict:
+    # The job runs the console script `accel-trainer` from this Python's environment.
+    e = env(**extra)
+    e["PATH"] = os.path.dirname(sys.executable) + os.pathsep + e.get("PATH", "")
+    return e
+
+
+def submit(cluster, tmp_path, out, **extra_env) -> tuple[str, str]:
+    job = cluster.sbatch(batch_script(tmp_path), ["--output_dir", str(out), *ARGS], str(tmp_path), job_env(**extra_env))
+    return job, str(tmp_path / f"job-{job}.out")  # the script's `#SBATCH --output=%x-%j.out`
+
+
+def model_bytes(out) -> bytes:
+    return open(os.path.join(out, "model.safetensors"), "rb").read()
+
+
+def last_step(out) -> int:
+    try:
+        lines = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return max(steps, default=0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    """The script as written, submitted with sbatch, trains a world of 2 to the end."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    job, log = submit(cluster, tmp, tmp / "run")
+    info = cluster.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_BOUND, log)
+    text = open(log).read()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-4000:]}"
+    return tmp / "run", text
+
+
+def test_sbatch_the_generated_script_as_written_trains_a_world_of_2(uninterrupted):
+    out, text = uninterrupted
+    cfg = run_config(out)
+    assert cfg["num_processes"] == 2, cfg  # one world of 2, not two worlds of 1
+    assert (cfg["topology"]["num_machines"], cfg["topology"]["local_world_size"]) == (1, 2), cfg["topology"]
+    assert os.environ.get("SLURM_JOB_ID") is None  # the test itself is not inside a job
+    assert "accel-trainer launch: accelerate launch" in text and "the launchers exited with 0" in text, text[-3000:]
+    assert last_step(out) == 16
+
+
+def test_generated_script_carries_what_preemption_needs(tmp_path):
+    text = open(batch_script(tmp_path)).read()
+    assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text
+    assert "--resume_from_checkpoint auto" in text
+    assert f'if [ "$rc" -eq {EXIT_PREEMPTED} ]' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    argv = ["--dir", str(tmp_path), "--name", "noq", "--no-interactive", "--machines", "1", "--cpu", "--slurm"]
+    assert wizard.main(argv + ["--no-requeue"]) == 0
+    text = open(tmp_path / "noq.slurm.sh").read()
+    assert "scontrol requeue" not in text and "#SBATCH --requeue" not in text and "--signal=B:USR1@" in text
+
+
+def test_preempted_job_checkpoints_requeues_itself_and_resumes_bit_identically(cluster, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    job, log = submit(cluster, tmp_path, out, ACCEL_TRAINER_TEST_FAULTS="step_delay=0.3")
+    cluster.wait_job(job, ("RUNNING",), JOB_BOUND, log)
+    t0 = time.monotonic()
+    while last_step(out) < 4:  # training, not starting up
+        assert time.monotonic() - t0 < JOB_BOUND, open(log).read()[-4000:]
+        assert cluster.job(job).get("JobState") == "RUNNING", open(log).read()[-4000:]
+        time.sleep(0.2)
+    # What `#SBATCH --signal=B:USR1@T` does T seconds before the time limit: USR1 to the batch shell only.
+    cluster.cmd("scancel", "--batch", "--signal=USR1", job, env={**os.environ, **cluster.env})
+    # The script requeues the job; SLURM holds a requeued job ~2 min (BeginTime) before it may start again:
+    # release it now instead of waiting (the only thing this test does that a real cluster does by itself).
+    info = cluster.wait_job(job, ("PENDING",), JOB_BOUND, log)
+    assert int(info.get("Restarts", 0)) == 1, info
+    text = open(log).read()
+    assert "Preempted (SIGUSR1)" in text and f"exiting with code {EXIT_PREEMPTED}" in text, text[-4000:]
+    assert f"the launchers exited with {EXIT_PREEMPTED}" in text and f"requeueing job {job}" in text, text[-4000:]
+    (ckpt,) = os.listdir(out / "checkpoints")  # the preemption checkpoint, mid-run
+    assert 4 <= int(ckpt.split("_")[1]) < 16, ckpt
+    assert not os.path.exists(out / "model.safetensors")
+    cluster.cmd("scontrol", "update", f"JobId={job}", "StartTime=now", env={**os.environ, **cluster.env})
+    info = cluster.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_BOUND, log)
+    text = open(log).read()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-4000:]}"
+    assert "start (restart 1)" in text and f"Resumed from {out / 'checkpoints' / ckpt}" in text, text[-4000:]
+    assert run_config(out)["num_processes"] == 2
+    assert model_bytes(out) == model_bytes(uninterrupted[0])  # byte-identical to the uninterrupted job
