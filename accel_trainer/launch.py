@@ -47,6 +47,25 @@ def diagnose(output: str, config=None, machine_rank: int = 0) -> str:
     )
     if "TopologyError" in output:
         return "the processes formed a different world than the config describes (see the TopologyError above)"
+    lost = sorted({int(r) for grp in re.findall(r": ranks? ([\d, ]+) died or hangs", output) for r in grp.split(",")})
+    if lost:  # the Trainer's PeerFailure named them (rank 0 does; other ranks only know rank 0 stopped answering)
+        per = int(getattr(config, "num_processes", 0) or 0) // max(n, 1)
+        which = ""
+        if n > 1 and per:
+            groups = sorted({r // per for r in lost})
+            if getattr(config, "rdzv_backend", "static") == "c10d":
+                which = f" (on the machine(s) that joined the c10d rendezvous as {', '.join(map(str, groups))})"
+            else:
+                which = f" = machine {', '.join(map(str, groups))}"
+        return (
+            f"rank(s) {', '.join(map(str, lost))}{which} stopped answering: that machine or the link to it is gone. "
+            "Resume with --resume_from_checkpoint latest (c10d with --max_restarts rejoins by itself when it is back)."
+        )
+    if "connectFullMesh" in output and "remote=[127." in output:
+        return (
+            "gloo advertised a loopback address (the host name resolves to 127.x here): set GLOO_SOCKET_IFNAME to the "
+            "interface on the cluster network (`accel-trainer launch` does, from the route to machine 0)"
+        )
     m = re.search(r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", output)
     if m:
         waited, joined, total = map(int, m.groups())
@@ -96,6 +115,9 @@ class Plan:
     machine_rank: int = 0
     max_restarts: int = 0
     notes: list[str] = field(default_factory=list)
+    route: topology.Route | None = None  # machines > 1: how this machine reaches machine 0
+    main_port: int = topology.DEFAULT_PORT
+    lost_after_s: float | None = None  # machines 1..N-1: stop when machine 0 stops answering for this long
 
 
 def _refuse(msg: str):
@@ -123,8 +145,9 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
         )
     host = args.main_process_ip or getattr(config, "main_process_ip", None)
     port = int(args.main_process_port or getattr(config, "main_process_port", None) or topology.DEFAULT_PORT)
-    if config is not None:  # for the diagnosis: the address and port this launch really uses
-        config.main_process_ip, config.main_process_port = host, port
+    backend = args.rdzv_backend if "--rdzv_backend" in given else getattr(config, "rdzv_backend", None) or "static"
+    if config is not None:  # for the diagnosis: the address, port and backend this launch really uses
+        config.main_process_ip, config.main_process_port, config.rdzv_backend = host, port, backend
     env, notes, extra, route = dict(os.environ), [], [], None
     if machines > 1 and host:
         # Fails at once on a name that does not resolve or an address without a route, instead of after the
@@ -139,7 +162,6 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
         )
         if rank > 0 and route.main_ip.startswith("127.") and not route.local_ip.startswith("127."):
             notes.append(f"machine {rank}: {host} is a loopback address: other machines cannot reach it")
-    backend = args.rdzv_backend if "--rdzv_backend" in given else getattr(config, "rdzv_backend", None) or "static"
     if machines > 1:
         if "--rdzv_backend" not in given:
             extra += ["--rdzv_backend", backend]
@@ -153,7 +175,23 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
     if args.max_restarts and backend == "c10d":
         env.setdefault(topology.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see topology.py)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *argv[:at], *extra, *argv[at:]]
-    return Plan(cmd, env, config, machines, rank, int(args.max_restarts or 0), notes)
+    lost_after = _ddp_timeout(argv[at + 1 :]) if machines > 1 and rank > 0 and route is not None else None
+    return Plan(cmd, env, config, machines, rank, int(args.max_restarts or 0), notes, route, port, lost_after)
+
+
+def _ddp_timeout(script_args: list[str]) -> float:
+    """The script's --ddp_timeout (the Trainer's bound on every collective), else TrainingArguments' default."""
+    for i, a in enumerate(script_args):
+        try:
+            if a == "--ddp_timeout" and i + 1 < len(script_args):
+                return float(script_args[i + 1])
+            if a.startswith("--ddp_timeout="):
+                return float(a.split("=", 1)[1])
+        except ValueError:
+            break
+    from accel_trainer.args import TrainingArguments
+
+    return float(TrainingArguments.__dataclass_fields__["ddp_timeout"].default)
 
 
 def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
@@ -202,10 +240,71 @@ def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_
         return EXIT_PREEMPTED
     if rc != 0:
         why = diagnose(output, p.config, p.machine_rank)
+        if run.lost:
+            why = (
+                f"{run.lost}: the link to machine 0, or machine 0 itself, is gone. Resume with "
+                "--resume_from_checkpoint latest (c10d with --max_restarts rejoins by itself when it is back)."
+            )
         if run.signalled:
             why = f"{run.signalled} arrived and no preemption checkpoint was reported; " + why
         print(f"accel-trainer launch: the run failed (exit {rc}): {why}", file=sys.stderr, flush=True)
     return rc
+
+
+class _MachineZeroWatch:
+    """On machines 1..N-1: is machine 0 still there? A TCP connect to its rendezvous port every PROBE_S seconds
+    (the store lives there for the whole run): refused means the host is up (it may have finished); no answer,
+    no route or this machine's interface down means the link or machine 0 is gone.
+
+    Why: when the link is cut, the workers here can wait far longer than --ddp_timeout (a gloo send that never
+    completes is bounded only by the group's own timeout, 30 min for groups created without one), so this
+    machine would never stop. After `lost_after_s` without an answer the launcher ends the workers; torchrun
+    then exits, or with --max_restarts and c10d tries to rejoin (and does, if machine 0 is reachable again)."""
+
+    PROBE_S = 2.0
+
+    def __init__(self, p: Plan):
+        import threading
+
+        self.route, self.port, self.after = p.route, p.main_port, p.lost_after_s
+        self.silent_since: float | None = None
+        self.why = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _answer(self) -> tuple[bool, str]:
+        import psutil
+
+        iface = self.route.interface
+        if iface:
+            stats = psutil.net_if_stats().get(iface)
+            if stats is not None and not stats.isup:
+                return False, f"this machine's interface {iface} is down"
+        import socket
+
+        try:
+            with socket.create_connection((self.route.main_ip, self.port), timeout=self.PROBE_S):
+                return True, ""
+        except ConnectionRefusedError:
+            return True, ""
+        except OSError as e:
+            return False, f"{self.route.main_ip}:{self.port} does not answer ({e.strerror or type(e).__name__})"
+
+    def _loop(self):
+        while not self._stop.is_set():
+            ok, why = self._answer()
+            if ok:
+                self.silent_since = None
+            elif self.silent_since is None:
+                self.silent_since, self.why = time.monotonic(), why
+            self._stop.wait(self.PROBE_S)
+
+    def lost(self) -> bool:
+        return self.silent_since is not None and time.monotonic() - self.silent_since >= self.after
+
+    def stop(self):
+        self._stop.set()
 
 
 class _Run:
@@ -231,6 +330,8 @@ class _Run:
             preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),  # inherited by the agent only
         )
         self.previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        self.watch = _MachineZeroWatch(p) if p.lost_after_s is not None else None
+        self.lost = None  # why machine 0 was declared lost
 
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
@@ -301,6 +402,8 @@ class _Run:
                 if self.signalled and not self.forwarded and time.monotonic() - self.signal_at >= FORWARD_GRACE_S:
                     self._forward()
                 self._stop_restarts()
+                if self.watch is not None and self.watch.lost():
+                    self._machine_zero_lost()
             rc = self.proc.wait()
         except KeyboardInterrupt:  # the terminal sent SIGINT to the launcher too; give it a bounded time to stop
             try:
@@ -311,4 +414,20 @@ class _Run:
         finally:
             for s, h in self.previous.items():
                 signal.signal(s, h)
+            if self.watch is not None:
+                self.watch.stop()
         return rc, tail.decode(errors="replace")
+
+    def _machine_zero_lost(self):
+        w = self.watch
+        self.lost = (
+            f"lost machine 0 ({w.why}, for {time.monotonic() - w.silent_since:.0f} s; the bound is --ddp_timeout "
+            f"{w.after:g})"
+        )
+        os.write(2, f"accel-trainer launch: {self.lost}; ending this machine's workers\n".encode())
+        w.silent_since = None  # once per silence: with --max_restarts the agent may rejoin when it answers again
+        for _, p in self._workers():
+            try:
+                p.kill()
+            except Exception:  # noqa: BLE001 - it exited meanwhile
+                pass

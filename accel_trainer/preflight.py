@@ -16,7 +16,7 @@ import sys
 
 from accel_trainer import topology
 from accel_trainer.errors import UserError
-from accel_trainer.launch import diagnose
+from accel_trainer.launch import diagnose, plan
 
 ENV_VARS = (
     "WORLD_SIZE",
@@ -194,6 +194,17 @@ def check_network(config, rank, machines, timeout, r):
         (r.ok if free else r.warn)(why + ("" if free else "; accelerate will pick another port on one machine"))
         return
     host = config.main_process_ip
+    try:
+        route = topology.route_to(host, port)
+    except UserError as e:  # no such name, or no route from here
+        r.fail(str(e))
+        return
+    new, kept = topology.network_env(route)
+    sets = " ".join(f"{k}={v}" for k, v in new.items())
+    r.ok(
+        f"machine {rank}: {route.describe()}; `accel-trainer launch` sets {sets or 'nothing'}"
+        + (f" and keeps yours: {' '.join(f'{k}={v}' for k, v in kept.items())}" if kept else "")
+    )
     if rank == 0:
         free, why = topology.port_free(port)
         if not free:
@@ -203,11 +214,10 @@ def check_network(config, rank, machines, timeout, r):
             )
             return
         r.ok(why)
-        mine, why = topology.port_free(port, host)
-        if not mine and "not an address" in why:
+        if not route.is_main:
             r.warn(
-                f"{why}: fine behind NAT/port forwarding, otherwise set main_process_ip to this machine's "
-                "cluster-network address."
+                f"{host} is not an address of this machine, so machine 0 cannot listen on it: fine behind NAT/port "
+                "forwarding, otherwise set main_process_ip to this machine's cluster-network address."
             )
     else:
         up, why = topology.reachable(host, port, timeout_s=min(timeout, 10))
@@ -215,22 +225,29 @@ def check_network(config, rank, machines, timeout, r):
 
 
 def launch_argv(a, config) -> list[str]:
-    """`accelerate launch` for this config with this module as the script (the `--worker` mode below)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", a.config_file]
+    """`accel-trainer launch` arguments for this config with this module as the script (the `--worker` mode)."""
+    argv = ["--config_file", a.config_file]
     if a.main_process_ip:
-        cmd += ["--main_process_ip", a.main_process_ip]
+        argv += ["--main_process_ip", a.main_process_ip]
     if a.main_process_port is not None:
-        cmd += ["--main_process_port", str(a.main_process_port)]
+        argv += ["--main_process_port", str(a.main_process_port)]
     if int(config.num_machines or 1) > 1:
-        cmd += ["--machine_rank", str(a.machine_rank)] + topology.rdzv_flags(config.rdzv_backend, a.timeout)
-    return cmd + ["-m", "accel_trainer.preflight", "--worker", "--timeout", str(a.timeout)]
+        argv += ["--machine_rank", str(a.machine_rank)] + topology.rdzv_flags(config.rdzv_backend, a.timeout)
+    return argv + ["-m", "accel_trainer.preflight", "--worker", "--timeout", str(a.timeout)]
 
 
 def run_collective(a, config, r) -> bool:
-    cmd = launch_argv(a, config)
+    """Launch the workers as `accel-trainer launch` would (same interface, address and host role: launch.plan)."""
+    try:
+        p = plan(launch_argv(a, config), a.timeout)
+    except UserError as e:
+        r.fail(str(e))
+        return False
     # Bounded: rendezvous (timeout) + process group and collective (timeout) + start-up slack.
     limit = 2 * a.timeout + 60
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        p.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=p.env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -263,14 +280,18 @@ def worker(timeout_s: int) -> int:
     world = topology.check_world(acc)
     ones = torch.ones(1, device=acc.device)
     total = acc.reduce(ones, reduction="sum").item()
-    hosts = gather_object([socket.gethostname()])
+    # Where each machine's processes talk from: the address torchrun announced for it and gloo's interface.
+    here = os.environ.get("PET_LOCAL_ADDR") or socket.gethostname()
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        here += f" ({os.environ['GLOO_SOCKET_IFNAME']})"
+    hosts = gather_object([here])
     if total != acc.num_processes:
         raise topology.TopologyError(f"all-reduce of ones gave {total}, expected {acc.num_processes}")
     if acc.is_main_process:
         print(
             f"{OK_LINE}: {acc.num_processes} processes on {world.num_machines} machine(s) "
             f"({world.processes_per_machine} per machine), backend {acc.state.backend or 'none'}, "
-            f"device {acc.device.type}, hosts {sorted(set(hosts))}",
+            f"device {acc.device.type}, machines at {sorted(set(hosts))}",
             flush=True,
         )
     acc.end_training()

@@ -380,10 +380,15 @@ def reachable(host: str, port: int, timeout_s: float = 5.0) -> tuple[bool, str]:
         return True, f"{host} is reachable; nothing listens on port {port} yet (start machine 0)"
     except TimeoutError:
         return False, (
-            f"no answer from {host}:{port} within {timeout_s:.0f} s: wrong address, host down, or a firewall "
-            f"dropping the port (open TCP {port} on machine 0)"
+            f"no answer from {host}:{port} within {timeout_s:.0f} s: wrong address, machine 0 down or cut off, or a "
+            f"firewall dropping the port (open TCP {port} on machine 0)"
         )
     except OSError as e:
+        if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+            return False, (
+                f"no answer from {host}:{port} ({e.strerror}): nothing answers at that address on this network: "
+                "wrong address, or machine 0 is down or cut off"
+            )
         return False, f"cannot reach {host}:{port}: {e} (check the address and the route/interface)"
 
 
@@ -433,8 +438,9 @@ def route_to(host: str, port: int = DEFAULT_PORT) -> Route:
             s.connect(addr)
             local = s.getsockname()[0]
     except OSError as e:
+        shown = host if host == addr[0] else f"{host} ({addr[0]})"
         raise UserError(
-            f"no route from this machine to machine 0's address {host} ({addr[0]}): {e.strerror or e}. Check the "
+            f"no route from this machine to machine 0's address {shown}: {e.strerror or e}. Check the "
             "address, and that this machine's network interface on that network is up (`ip addr`, `ip route`)."
         ) from None
     mine = local_addresses()

@@ -160,6 +160,6 @@ def test_unresolvable_main_address_and_stale_env(capsys, monkeypatch):
         == 1
     )
     out = capsys.readouterr().out
-    assert "[FAIL] cannot resolve 'machine0.invalid'" in out
+    assert "[FAIL] cannot resolve machine 0's address 'machine0.invalid'" in out
     assert "[warn] WORLD_SIZE exported in this shell" in out
     assert "[FAIL] NCCL_SOCKET_IFNAME=nosuchif0: no interface named nosuchif0" in out

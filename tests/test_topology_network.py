@@ -1,0 +1,232 @@
+"""Two hosts on a real (virtual) network: two network namespaces joined by a veth pair (tests/netns.py), machine 0
+at 10.77.0.1 and machine 1 at 10.77.0.2, each with its own interface, and a host name that resolves to neither
+(as on clusters whose names point at a management network). Each machine runs the `accel-trainer launch` line
+the wizard printed for it, with 2 CPU processes: a world of 4 across the link.
+
+- static and c10d: the run forms a world of 4 and trains to the weights of one process over the same global batch;
+- the link is cut mid-run: both machines stop within the documented bound, exit non-zero, name what was lost, and
+  leave no process behind;
+- c10d with --max_restarts: when the link comes back, machine 1 rejoins and the run resumes from its newest
+  checkpoint and completes;
+- `accel-trainer check` reports each machine's address and interface, and a reachable / unreachable machine 0.
+
+Skipped (with the reason) without root or iproute2. Every wait is bounded; the namespaces and every process in
+them are removed whatever happens.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import netns
+import pytest
+from helpers import ROOT, assert_same_weights, env, run, run_config, weights
+
+pytestmark = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
+
+CLI = [sys.executable, "-m", "accel_trainer.cli"]
+STEPS, PER_DEVICE = 4, 4  # global batch 16: 2 machines x 2 processes x 4, or 1 process x 16
+DDP_TIMEOUT = 10  # seconds: the bound on every collective in the link-cut tests
+# A machine whose link is cut stops within this (see docs/topology.md, "Tested on a real network"): the collective
+# timeout, the Trainer naming the lost ranks (a monitored barrier bounded by the same timeout) or, on the side
+# that lost machine 0, the launcher's probe, then torchrun ending its workers; plus start-up noise on 2 shared cores.
+STOP_BOUND = 3 * DDP_TIMEOUT + 30
+
+
+@pytest.fixture
+def hosts():
+    h = netns.TwoHosts()
+    try:
+        h.up()
+    except subprocess.CalledProcessError as e:
+        h.down()
+        pytest.skip(f"cannot create network namespaces here: {e.stderr.strip()}")
+    try:
+        yield h
+    finally:
+        h.down()
+
+
+def wizard_lines(tmp_path, hosts, rdzv, restarts=0) -> tuple[str, list[list[str]]]:
+    """The config and the launch line for each machine, as `accel-trainer config` writes and prints them."""
+    argv = ["--dir", str(tmp_path), "--name", f"net_{rdzv}", "--no-interactive", "--cpu", "--machines", "2"]
+    argv += ["--processes-per-machine", "2", "--main-ip", hosts.addr[0], "--rdzv", rdzv, "--rdzv-timeout", "60"]
+    argv += ["--script", "recipes/regression.py"] + (["--max-restarts", str(restarts)] if restarts else [])
+    out = subprocess.run(CLI + ["config", *argv], capture_output=True, text=True, timeout=60, env=env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = []
+    for r in (0, 1):
+        line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith(f"machine {r}:"))
+        cmd = shlex.split(line.split(":", 1)[1])
+        assert cmd[:2] == ["accel-trainer", "launch"] and cmd[-2:] == ["--output_dir", "runs/<name>"], line
+        lines.append(CLI + cmd[1:-2])  # the console script, run with this Python; our output folder follows
+    return str(tmp_path / f"net_{rdzv}.yaml"), lines
+
+
+def start_both(hosts, tmp_path, lines, args, **extra_env):
+    logs = [open(tmp_path / f"machine{r}.log", "w") for r in (0, 1)]
+    procs = [hosts.popen(r, lines[r] + args, logs[r], env=env(**extra_env), cwd=ROOT) for r in (0, 1)]
+    return procs, logs
+
+
+def wait_all(procs, timeout) -> list[int | None]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            codes.append(None)  # still running at the bound: the fixture kills it
+    return codes
+
+
+def read_logs(tmp_path) -> list[str]:
+    return [(tmp_path / f"machine{r}.log").read_text() for r in (0, 1)]
+
+
+def last_step(out) -> int:
+    try:
+        lines = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return max(steps, default=0)
+
+
+def wait_for(cond, timeout, what, procs=()):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout} s"
+        assert all(p.poll() is None for p in procs), f"{what}: a machine exited first"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def one_process_weights(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    run("regression.py", ["--output_dir", out, "--max_steps", STEPS, "--per_device_train_batch_size", 4 * PER_DEVICE])
+    return weights(out)
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_two_hosts_form_a_world_of_4_and_train_like_one_process(hosts, tmp_path, rdzv, one_process_weights):
+    cfg, lines = wizard_lines(tmp_path, hosts, rdzv)
+    out = tmp_path / "run"  # one folder seen by both machines, as on a cluster's shared file system
+    args = ["--output_dir", str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", str(PER_DEVICE)]
+    procs, _ = start_both(hosts, tmp_path, lines, args)
+    codes = wait_all(procs, 240)
+    logs = read_logs(tmp_path)
+    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+    cfg = run_config(out)
+    assert cfg["num_processes"] == 4, cfg  # one world of 4, not two worlds of 2
+    topo = cfg["topology"]
+    assert (topo["num_machines"], topo["local_world_size"], topo["backend"]) == (2, 2, "gloo"), topo
+    # The workers talked over the link: machine 0's address and interface, not the host name's 127.0.0.1.
+    assert topo["network"]["MASTER_ADDR"] == hosts.addr[0] and topo["network"]["GLOO_SOCKET_IFNAME"] == hosts.ifname[0]
+    for r in (0, 1):
+        assert f"GLOO_SOCKET_IFNAME={hosts.ifname[r]}" in logs[r] and f"PET_LOCAL_ADDR={hosts.addr[r]}" in logs[r]
+    if rdzv == "c10d":  # machine 0 hosts the rendezvous store, machine 1 never tries
+        assert "is_host=1" in logs[0] and "is_host=0" in logs[1]
+    assert_same_weights(weights(out), one_process_weights)
+
+
+def test_link_cut_mid_run_stops_both_machines_within_the_bound_naming_the_lost_ranks(hosts, tmp_path):
+    _, lines = wizard_lines(tmp_path, hosts, "static")
+    out = tmp_path / "run"
+    args = ["--output_dir", str(out), "--max_steps", "400", "--per_device_train_batch_size", str(PER_DEVICE)]
+    args += ["--ddp_timeout", str(DDP_TIMEOUT), "--logging_steps", "1", "--disable_tqdm"]
+    procs, _ = start_both(hosts, tmp_path, lines, args, ACCEL_TRAINER_TEST_FAULTS="step_delay=0.2")
+    wait_for(lambda: last_step(out) >= 3, 240, "training", procs)
+    hosts.link(1, up=False)
+    cut = time.monotonic()
+    codes = wait_all(procs, STOP_BOUND)
+    took = time.monotonic() - cut
+    logs = read_logs(tmp_path)
+    both = "\n\n".join(log[-3000:] for log in logs)
+    assert None not in codes and 0 not in codes, f"{codes} after {took:.0f} s\n{both}"
+    assert took < STOP_BOUND, took
+    print(f"link cut: both machines stopped {took:.0f} s after the cut (bound {STOP_BOUND} s)")
+    # Machine 0 names the ranks it lost, and the machine; machine 1 says it lost machine 0.
+    assert "rank(s) 2, 3 = machine 1 stopped answering" in logs[0], logs[0][-3000:]
+    assert "lost machine 0" in logs[1], logs[1][-3000:]
+    time.sleep(1)
+    assert hosts.pids(0) == [] and hosts.pids(1) == [], "processes left behind"
+    assert last_step(out) < 400
+
+
+def test_c10d_machine_that_comes_back_rejoins_and_the_run_resumes_and_completes(hosts, tmp_path, one_process_weights):
+    _, lines = wizard_lines(tmp_path, hosts, "c10d", restarts=1)
+    out = tmp_path / "run"
+    steps = 24
+    args = ["--output_dir", str(out), "--max_steps", str(steps), "--per_device_train_batch_size", str(PER_DEVICE)]
+    args += ["--ddp_timeout", str(DDP_TIMEOUT), "--logging_steps", "1", "--save_steps", "4", "--disable_tqdm"]
+    procs, _ = start_both(hosts, tmp_path, lines, args, ACCEL_TRAINER_TEST_FAULTS="step_delay=0.3")
+    wait_for(lambda: os.path.isdir(out / "checkpoints" / "step_8"), 240, "a checkpoint", procs)
+    hosts.link(1, up=False)
+    # Machine 0's workers fail (the collective times out) and its agent waits for a new rendezvous round.
+    wait_for(lambda: "died or hangs" in read_logs(tmp_path)[0], STOP_BOUND, "machine 0 noticing the cut", procs)
+    hosts.link(1, up=True)
+    codes = wait_all(procs, 300)
+    logs = read_logs(tmp_path)
+    assert codes == [0, 0], "\n\n".join(log[-4000:] for log in logs)
+    resumed = [ln for ln in logs[0].splitlines() if ln.startswith("Resumed from")]
+    assert resumed and "checkpoints/step_" in resumed[-1], logs[0][-3000:]
+    assert run_config(out)["num_processes"] == 4 and last_step(out) == steps
+    # The resumed run is the same run: compare with an uninterrupted run of 4 processes' global batch.
+    ref = tmp_path / "ref"
+    run("regression.py", ["--output_dir", ref, "--max_steps", steps, "--per_device_train_batch_size", 4 * PER_DEVICE])
+    assert_same_weights(weights(out), weights(ref))
+
+
+def check(hosts, machine, cfg, *extra, timeout=120):
+    argv = CLI + ["check", "--config_file", cfg, "--machine_rank", str(machine), "--timeout", "8", *extra]
+    return hosts.run(machine, argv, timeout=timeout, env=env(), cwd=ROOT)
+
+
+def test_check_reports_each_machines_address_and_interface_and_an_unreachable_machine_0(hosts, tmp_path):
+    cfg, _ = wizard_lines(tmp_path, hosts, "static")
+    # Both machines at once: the collective runs across the link, and machine 0 reports where each machine is.
+    procs = [
+        hosts.popen(
+            r,
+            CLI + ["check", "--config_file", cfg, "--machine_rank", str(r), "--timeout", "60"],
+            open(tmp_path / f"check{r}.log", "w"),
+            env=env(),
+            cwd=ROOT,
+        )
+        for r in (0, 1)
+    ]
+    codes = wait_all(procs, 200)
+    outs = [(tmp_path / f"check{r}.log").read_text() for r in (0, 1)]
+    assert codes == [0, 0], "\n\n".join(o[-3000:] for o in outs)
+    assert f"owns machine 0's address {hosts.addr[0]} (interface {hosts.ifname[0]})" in outs[0]
+    assert f"from {hosts.addr[1]} (interface {hosts.ifname[1]})" in outs[1]
+    assert f"{hosts.addr[0]} is reachable" in outs[1]
+    assert "collective OK: 4 processes on 2 machine(s) (2 per machine)" in outs[0], outs[0][-2000:]
+    for r in (0, 1):
+        assert f"{hosts.addr[r]} ({hosts.ifname[r]})" in outs[0]  # where each machine's processes talk from
+
+    # Machine 0's side of the link is down: machine 1 still has its route, but machine 0 does not answer.
+    hosts.link(0, up=False)
+    t0 = time.monotonic()
+    r = check(hosts, 1, cfg, "--no-collective")
+    assert r.returncode == 1, r.stdout
+    # (within the 8 s timeout, or at once when ARP finds no one: "No route to host")
+    assert f"[FAIL] no answer from {hosts.addr[0]}:29500" in r.stdout and "machine 0" in r.stdout, r.stdout
+    assert "Nothing was launched" in r.stdout and time.monotonic() - t0 < 60
+    # Machine 1's own interface is down: no route at all, said at once.
+    hosts.link(0, up=True)
+    hosts.link(1, up=False)
+    r = check(hosts, 1, cfg, "--no-collective")
+    assert r.returncode == 1, r.stdout
+    assert (
+        f"[FAIL] no route from this machine to machine 0's address {hosts.addr[0]}: Network is unreachable" in r.stdout
+    )
