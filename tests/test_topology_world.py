@@ -196,3 +196,51 @@ def test_launched_world_is_read_from_the_launcher_environment(torchrun_env):
     from accel_trainer.accel import launched_world_size
 
     assert launched_world_size() == 4
+
+
+def test_route_to_loopback_and_the_network_settings_it_implies(monkeypatch):
+    r = topology.route_to("127.0.0.1")
+    assert (r.main_ip, r.local_ip, r.is_main) == ("127.0.0.1", "127.0.0.1", True) and r.interface is not None
+    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PET_LOCAL_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    new, kept = topology.network_env(r)
+    assert new == {
+        "PET_LOCAL_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": r.interface,
+        "NCCL_SOCKET_IFNAME": "=" + r.interface,
+    }
+    assert kept == {}
+    # The user's own settings always win.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    new, kept = topology.network_env(r)
+    assert "GLOO_SOCKET_IFNAME" not in new and kept == {"GLOO_SOCKET_IFNAME": "ib0"}
+    with pytest.raises(UserError, match="cannot resolve machine 0's address 'machine0.invalid'"):
+        topology.route_to("machine0.invalid")
+
+
+def test_c10d_host_role_machine_0_hosts_when_it_owns_the_address_others_never():
+    mine = topology.Route("10.0.0.1", "10.0.0.1", "10.0.0.1", "eth1", True)
+    other = topology.Route("10.0.0.1", "10.0.0.1", "10.0.0.2", "eth1", False)
+    conf = "join_timeout=60,read_timeout=60"
+    assert topology.host_role(conf, "c10d", 0, mine) == conf + ",is_host=1"
+    assert topology.host_role(conf, "c10d", 1, other) == conf + ",is_host=0"
+    assert topology.host_role(conf, "c10d", 0, other) == conf  # behind NAT: torch decides
+    assert topology.host_role(conf + ",is_host=0", "c10d", 0, mine) == conf + ",is_host=0"  # the user's wins
+    assert topology.host_role("timeout=60", "static", 0, mine) == "timeout=60"  # static: machine 0 hosts anyway
+
+
+def test_launch_plan_keeps_the_users_interface_and_host_role(tmp_path, monkeypatch):
+    from accel_trainer import launch, wizard
+
+    argv = ["--dir", str(tmp_path), "--name", "two", "--no-interactive", "--machines", "2", "--cpu"]
+    assert wizard.main(argv + ["--main-ip", "127.0.0.1", "--rdzv", "c10d"]) == 0
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "myif")
+    cfg = str(tmp_path / "two.yaml")
+    p = launch.plan(
+        ["--config_file", cfg, "--machine_rank", "1", "--rdzv_conf", "is_host=1", "t.py", "--ddp_timeout", "7"]
+    )
+    assert p.env["GLOO_SOCKET_IFNAME"] == "myif" and p.env["PET_LOCAL_ADDR"] == "127.0.0.1"
+    assert p.cmd[p.cmd.index("--rdzv_conf") + 1] == "is_host=1" and "--rdzv_backend" in p.cmd
+    assert p.lost_after_s == 7  # machine 1 gives up on a silent machine 0 after the script's --ddp_timeout
+    p = launch.plan(["--config_file", cfg, "--machine_rank", "0", "t.py"])
+    assert p.cmd[p.cmd.index("--rdzv_conf") + 1].endswith(",is_host=1") and p.lost_after_s is None
