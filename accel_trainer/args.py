@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
@@ -195,6 +195,24 @@ class TrainingArguments:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _record_user_fields(cls):
+    """Wrap a dataclass __init__ so each instance knows which fields its caller set: in a notebook,
+    `TrainingArguments(output_dir=..., max_steps=200)` means "these two are mine, the recipe decides the rest",
+    exactly like the same two flags on the command line (see resolve_args)."""
+    init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        object.__setattr__(self, "_user_fields", frozenset(names[: len(args)]) | frozenset(kwargs))
+
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
+    cls.__init__ = __init__
+    return cls
+
+
+_record_user_fields(TrainingArguments)
+
+
 class _DefaultsHelpFormatter(argparse.HelpFormatter):
     """`--help` shows every field's default, also for recipe fields that have no help text."""
 
@@ -263,3 +281,73 @@ def parse_args(
         parser.error(str(e))
     result = (parsed[0], parsed[1] if recipe_args_cls is not None else None)
     return (*result, given) if return_given else result
+
+
+def _field_defaults(obj) -> dict[str, Any]:
+    out = {}
+    for f in fields(obj):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def user_values(targs: TrainingArguments | None, rargs=None) -> dict[str, Any]:
+    """The values a notebook user set on argument objects they built themselves: the fields passed to
+    `TrainingArguments(...)`, and the recipe Args fields that differ from their defaults (a recipe's dataclass
+    cannot record its caller; a value equal to the default is then taken as unset)."""
+    values = {}
+    if targs is not None:
+        values.update({k: getattr(targs, k) for k in getattr(targs, "_user_fields", ())})
+    if rargs is not None and is_dataclass(rargs):
+        default = _field_defaults(rargs)
+        values.update(
+            {
+                f.name: getattr(rargs, f.name)
+                for f in fields(rargs)
+                if f.name not in default or getattr(rargs, f.name) != default[f.name]
+            }
+        )
+    return values
+
+
+def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] | None = None, world_size=None):
+    """THE argument resolution of a run, for every entry point (python recipes/x.py, accelerate launch,
+    accel-trainer train, Trainer.from_recipe, Trainer(recipe, TrainingArguments(...))), so they cannot drift:
+
+        our defaults  <  the recipe's `defaults`  <  its `configure` (presets)  <  what the user set
+
+    The user's values come either from a command line (`argv`, which may start with a YAML/JSON arguments file)
+    or from Python (`values`: field names of TrainingArguments or the recipe's Args). `configure` sees which fields
+    the user set (`ctx.given`) and leaves them alone. Returns (TrainingArguments, recipe args or None, given).
+    A bad flag exits 2 (argparse); a bad keyword raises ArgumentError naming it.
+    """
+    from .accel import launched_world_size
+    from .recipe import RecipeContext, load_recipe
+
+    recipe = load_recipe(recipe)
+    if values is None:
+        targs, rargs, given = parse_args(recipe.Args, argv, defaults=recipe.defaults, return_given=True)
+    else:
+        targs, rargs = parse_args(recipe.Args, [], defaults=recipe.defaults)
+        targs_names = {f.name for f in fields(targs)}
+        rargs_names = {f.name for f in fields(rargs)} if rargs is not None else set()
+        unknown = sorted(set(values) - targs_names - rargs_names)
+        if unknown:
+            raise ArgumentError(
+                f"unknown argument(s) {', '.join(unknown)} for recipe {recipe.name}: pass TrainingArguments fields "
+                f"or fields of the recipe's Args (python recipes/{recipe.name}.py --help lists them)."
+            )
+        for name, value in values.items():
+            setattr(targs if name in targs_names else rargs, name, value)
+        for obj in (targs, rargs):  # validate the combination, as the command line does
+            if obj is not None and hasattr(obj, "__post_init__"):
+                obj.__post_init__()
+        given = set(values)
+    given = frozenset(given)
+    if recipe.configure:
+        world = world_size if world_size is not None else launched_world_size()
+        recipe.configure(RecipeContext(args=rargs, targs=targs, world_size=world, given=given))
+    object.__setattr__(targs, "_resolved", True)  # Trainer(...) then takes these as they are
+    return targs, rargs, given

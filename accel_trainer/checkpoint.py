@@ -105,9 +105,10 @@ def write_manifest(folder: str, state: dict) -> dict:
 
 
 def save_checkpoint(
-    accelerator, output_dir: str, step: int, state: dict, ema=None, save_total_limit: int | None = None, hooks=None
+    accelerator, output_dir: str, step: int, state: dict, ema=None, save_total_limit: int | None = None, on_staged=None
 ) -> str:
-    """Every process calls this (each saves its own RNG state). Returns the final folder."""
+    """Every process calls this (each saves its own RNG state). Returns the final folder. `on_staged(tmp)` runs
+    when this process's files are in the temporary folder, before the commit (fault tests kill the run there)."""
     root = checkpoints_root(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp_step_{step}")
@@ -121,8 +122,8 @@ def save_checkpoint(
             save_model(ema.module, os.path.join(tmp, EMA_FILE))
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=2)
-    if hooks is not None:
-        hooks.during_save(tmp)  # test-only (ACCEL_TRAINER_TEST_FAULTS=save_delay=...): a kill lands here
+    if on_staged is not None:
+        on_staged(tmp)
     accelerator.wait_for_everyone()  # every rank's files are in tmp
     if accelerator.is_main_process:
         write_manifest(tmp, state)

@@ -45,13 +45,22 @@ class ShardLoader:
             yield {k: v[part] for k, v in self.t.items()}
 
 
-def build_data(args, targs, accelerator):
-    r, w = accelerator.process_index, accelerator.num_processes
-    train = regression._synthetic(args, args.num_train_samples, args.data_seed + 1)
-    evald = regression._synthetic(args, args.num_eval_samples, args.data_seed + 2)
+class Tensors(regression.TensorDict):
+    def select(self, indices):  # lets the Trainer cut it (--max_train_samples)
+        idx = torch.as_tensor(list(indices))
+        return Tensors({k: v[idx] for k, v in self.tensors.items()})
+
+
+def build_data(ctx):
+    args, r, w = ctx.args, ctx.process_index, ctx.world_size
+
+    def loader(dataset, *, batch_size, train, drop_last):
+        return ShardLoader(dataset.tensors, batch_size, r, w, ctx.targs.seed, shuffle=train)
+
     return {
-        "train": ShardLoader(train, targs.per_device_train_batch_size, r, w, targs.seed, True),
-        "eval": ShardLoader(evald, targs.per_device_eval_batch_size, r, w, targs.seed, False),
+        "train": Tensors(regression._synthetic(args, args.num_train_samples, args.data_seed + 1)),
+        "eval": Tensors(regression._synthetic(args, args.num_eval_samples, args.data_seed + 2)),
+        "loader": loader,
     }
 
 

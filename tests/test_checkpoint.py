@@ -206,7 +206,7 @@ def test_nan_skip_skips_and_counts(tmp_path):
     out = tmp_path / "run"
     t = make(out, _nan_recipe(6), max_steps=12, save_steps=0, logging_steps=4, nan_policy="skip")
     t.fit()
-    assert t.skipped_steps == 1 and t.global_step == 12
+    assert t.progress.skipped_steps == 1 and t.global_step == 12
     events = [json.loads(line) for line in open(out / "metrics.jsonl")]
     train = [e for e in events if "loss" in e]
     assert [e["skipped_steps"] for e in train] == [0, 1, 1]
