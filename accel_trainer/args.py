@@ -218,6 +218,8 @@ class _DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
+        if "%(" not in text:
+            text = text.replace("%", "%%")  # argparse %-formats help: a literal % ("30% of training") must not crash
         if action.default is not argparse.SUPPRESS and action.option_strings and "%(default)" not in text:
             text += " (default: %(default)s)"
         return text
@@ -330,24 +332,22 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
     if values is None:
         targs, rargs, given = parse_args(recipe.Args, argv, defaults=recipe.defaults, return_given=True)
     else:
-        targs, rargs = parse_args(recipe.Args, [], defaults=recipe.defaults)
-        targs_names = {f.name for f in fields(targs)}
-        rargs_names = {f.name for f in fields(rargs)} if rargs is not None else set()
-        unknown = sorted(set(values) - targs_names - rargs_names)
+        names = {"targs": {f.name for f in fields(TrainingArguments)}}
+        names["rargs"] = {f.name for f in fields(recipe.Args)} if recipe.Args is not None else set()
+        unknown = sorted(set(values) - names["targs"] - names["rargs"])
         if unknown:
             raise ArgumentError(
                 f"unknown argument(s) {', '.join(unknown)} for recipe {recipe.name}: pass TrainingArguments fields "
                 f"or fields of the recipe's Args (python recipes/{recipe.name}.py --help lists them)."
             )
-        for name, value in values.items():
-            setattr(targs if name in targs_names else rargs, name, value)
-        for obj in (targs, rargs):  # validate the combination, as the command line does
-            if obj is not None and hasattr(obj, "__post_init__"):
-                obj.__post_init__()
+        chosen = {**(recipe.defaults or {}), **values}  # the recipe's defaults, then the user's values
+        targs = TrainingArguments(**{k: v for k, v in chosen.items() if k in names["targs"]})
+        rargs = recipe.Args(**{k: v for k, v in chosen.items() if k in names["rargs"]}) if recipe.Args else None
         given = set(values)
     given = frozenset(given)
     if recipe.configure:
         world = world_size if world_size is not None else launched_world_size()
         recipe.configure(RecipeContext(args=rargs, targs=targs, world_size=world, given=given))
     object.__setattr__(targs, "_resolved", True)  # Trainer(...) then takes these as they are
+    object.__setattr__(targs, "_user_fields", given)
     return targs, rargs, given

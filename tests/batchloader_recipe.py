@@ -16,7 +16,7 @@ defaults = dict(regression.defaults, save_steps=0)
 class ShardLoader:
     """Global batches of batch_size x world_size, each split into per-rank parts of unequal size (no padding)."""
 
-    def __init__(self, tensors, batch_size, rank, world, seed, shuffle):
+    def __init__(self, tensors, batch_size, rank, world, seed, shuffle, drop_last=False):
         self.t, self.bs, self.rank, self.world, self.seed, self.shuffle = (
             tensors,
             batch_size,
@@ -25,7 +25,9 @@ class ShardLoader:
             seed,
             shuffle,
         )
-        self.n = len(tensors["x"])
+        # drop_last: no short global batch at the end (the samples past the last full one are not seen)
+        self.total = len(tensors["x"])
+        self.n = self.total // (batch_size * world) * (batch_size * world) if drop_last else self.total
         self.epoch = 0
 
     def __len__(self):
@@ -36,10 +38,10 @@ class ShardLoader:
 
     def __iter__(self):
         order = (
-            torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            torch.randperm(self.total, generator=torch.Generator().manual_seed(self.seed + self.epoch))
             if self.shuffle
-            else torch.arange(self.n)
-        )
+            else torch.arange(self.total)
+        )[: self.n]
         for start in range(0, self.n, self.bs * self.world):
             part = order[start : start + self.bs * self.world].tensor_split(self.world)[self.rank]
             yield {k: v[part] for k, v in self.t.items()}
@@ -55,7 +57,7 @@ def build_data(ctx):
     args, r, w = ctx.args, ctx.process_index, ctx.world_size
 
     def loader(dataset, *, batch_size, train, drop_last):
-        return ShardLoader(dataset.tensors, batch_size, r, w, ctx.targs.seed, shuffle=train)
+        return ShardLoader(dataset.tensors, batch_size, r, w, ctx.targs.seed, shuffle=train, drop_last=drop_last)
 
     return {
         "train": Tensors(regression._synthetic(args, args.num_train_samples, args.data_seed + 1)),

@@ -264,6 +264,21 @@ def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
         resolve_args(cifar, ["--batch_size", "1001"], world_size=2)
 
 
+def test_an_empty_share_of_the_last_batch_gives_a_zero_weight_loss_not_nan():
+    # 5 images in global batches of 2 x 2: the last global batch has one image, so rank 1's share is empty
+    # (as 1025 images on 2 x 512). Its loss used to be the mean of nothing (NaN), which stopped the run.
+    x, y = tiny_arrays(5, 0)
+    last = list(DeviceLoader(x, y, 2, train=True, rank=1, world_size=2))[-1]
+    assert len(last["labels"]) == 0
+    net = cifar.CifarNet(widths=(4, 8, 8))
+    value, n = cifar.loss(net, last)
+    assert n == 0 and torch.isfinite(value)
+    (value * n).backward()  # what the Trainer back-propagates: weight 0
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+    out = cifar.eval_step(net.eval(), last)
+    assert out["loss"].numel() == 0 and out["n_items"].numel() == 0
+
+
 def test_lookahead_pulls_weights_to_their_average():
     torch.manual_seed(0)
     net = cifar.CifarNet(widths=(4, 8, 8))
