@@ -16,6 +16,7 @@ from typing import Any
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
+LR_SCALING = ("none", "linear", "sqrt")
 
 
 class ArgumentError(ValueError):
@@ -147,6 +148,35 @@ class TrainingArguments:
         },
     )
 
+    # --- learning-rate scaling -----------------------------------------------------------------------------------
+    lr_scaling: str = field(
+        default="none",
+        metadata={
+            "help": "Scale --learning_rate with the global batch (per-device x accumulation x processes) over "
+            "--lr_base_batch_size: none, linear (lr x B/B0) or sqrt (lr x sqrt(B/B0)). The scaled value is used, "
+            "logged, and recorded in run_config.json; warmup applies to it as to any learning rate."
+        },
+    )
+    lr_base_batch_size: int | None = field(
+        default=None, metadata={"help": "The global batch --learning_rate was tuned for (needed by --lr_scaling)."}
+    )
+
+    # --- observability -------------------------------------------------------------------------------------------
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peak TFLOP/s of one device, for the logged mfu (model FLOPs utilisation). Default: known for "
+            "H100/H200/A100/L40S/L4/A10 under bf16/fp16; no mfu otherwise."
+        },
+    )
+    profile_steps: str | None = field(
+        default=None,
+        metadata={
+            "help": "Profile updates A-B (e.g. 5-8) with torch.profiler on every rank: traces for TensorBoard/Chrome "
+            "in output_dir/profile/, top ops and collective time printed. See docs/observability.md."
+        },
+    )
+
     def __post_init__(self):
         def bad(flag, msg):
             raise ArgumentError(f"--{flag}: {msg}")
@@ -183,6 +213,14 @@ class TrainingArguments:
             bad("max_steps", "set --max_steps > 0 or --num_train_epochs > 0.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad("save_total_limit", f"must be >= 1, got {self.save_total_limit}.")
+        if self.lr_scaling not in LR_SCALING:
+            bad("lr_scaling", f"{self.lr_scaling!r} is not one of {', '.join(LR_SCALING)}.")
+        if self.lr_scaling != "none" and (self.lr_base_batch_size is None or self.lr_base_batch_size < 1):
+            bad("lr_base_batch_size", "--lr_scaling needs the global batch the learning rate was tuned for, >= 1.")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            bad("peak_tflops", f"must be > 0, got {self.peak_tflops}.")
+        if self.profile_steps is not None:
+            self.profile_range  # noqa: B018 - validates
 
     @property
     def trackers(self) -> list[str] | str | None:
@@ -190,6 +228,29 @@ class TrainingArguments:
         if names in ([], ["none"]):
             return None
         return "all" if names == ["all"] else names
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """--profile_steps A-B as (A, B), 1-based updates, both included."""
+        if self.profile_steps is None:
+            return None
+        first, _, last = str(self.profile_steps).partition("-")
+        try:
+            a, b = int(first), int(last or first)
+        except ValueError:
+            a = b = 0
+        if not 1 <= a <= b:
+            raise ArgumentError(f"--profile_steps: {self.profile_steps!r} is not A-B with 1 <= A <= B (e.g. 5-8).")
+        return a, b
+
+    def scaled_learning_rate(self, world_size: int) -> float:
+        """--learning_rate after --lr_scaling for this world size's global batch."""
+        if self.lr_scaling == "none":
+            return self.learning_rate
+        ratio = (
+            self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size / self.lr_base_batch_size
+        )
+        return self.learning_rate * (ratio if self.lr_scaling == "linear" else ratio**0.5)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

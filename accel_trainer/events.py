@@ -4,6 +4,7 @@
 
 | event              | fired                                              | handler                                   |
 |--------------------|----------------------------------------------------|-------------------------------------------|
+| fit_start          | fit() begins, before the first update              | (trainer)                                 |
 | update_end         | after each optimizer update, before log/eval/save  | (trainer)                                 |
 | checkpoint_staged  | a checkpoint's files are in its temporary folder,  | (trainer, folder)                         |
 |                    | not yet committed (for fault-injection tests)      |                                           |
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-EVENTS = ("update_end", "checkpoint_staged", "checkpoint_written", "evaluate_end", "fit_end")
+EVENTS = ("fit_start", "update_end", "checkpoint_staged", "checkpoint_written", "evaluate_end", "fit_end")
 
 
 class Events:

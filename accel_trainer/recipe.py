@@ -20,7 +20,14 @@ from types import ModuleType
 from typing import Any
 
 # The named events a recipe (or a notebook, a bench, a test) can attach to; see accel_trainer/events.py.
-EVENT_HOOKS = ("on_update_end", "on_checkpoint_staged", "on_checkpoint_written", "on_evaluate_end", "on_fit_end")
+EVENT_HOOKS = (
+    "on_fit_start",
+    "on_update_end",
+    "on_checkpoint_staged",
+    "on_checkpoint_written",
+    "on_evaluate_end",
+    "on_fit_end",
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Recipe:
     defaults: dict | None = None  # the recipe's own defaults for TrainingArguments fields
     configure: Callable | None = None  # (ctx) -> None: adjust ctx.args/ctx.targs after parsing (presets)
     # Events (accel_trainer/events.py): (trainer, ...) -> None; on_evaluate_end may return extra metrics.
+    on_fit_start: Callable | None = None
     on_update_end: Callable | None = None
     on_checkpoint_staged: Callable | None = None
     on_checkpoint_written: Callable | None = None

@@ -20,6 +20,8 @@ import json
 import math
 import os
 import shutil
+import sys
+import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, is_dataclass
 
@@ -39,6 +41,7 @@ from .errors import UserError
 from .events import Events
 from .recipe import EVENT_HOOKS, Recipe, RecipeContext, load_recipe
 from .reporting import Reporter, library_versions, topology
+from .throughput import Meter, detected_peak_tflops
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
 # Accelerate's per-step wrappers (which cost ~0.6 ms/step on a small model, mostly a package lookup).
@@ -132,6 +135,7 @@ class Trainer:
 
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
+        self._scale_learning_rate()
         resume_path = self._check_output_dir()  # on every rank, before any rank writes
         acc.wait_for_everyone()
         if acc.is_main_process:
@@ -198,6 +202,12 @@ class Trainer:
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
         self._diag_group = faults.make_diagnostic_group(acc)
+        self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
+        if args.profile_steps:
+            from .profiling import UpdateProfiler
+
+            self.profiler = UpdateProfiler(self)
+            self.profiler.attach(self.events)
 
         self._write_run_config()
         if args.trackers:
@@ -228,6 +238,15 @@ class Trainer:
         return self.progress.epoch
 
     # ---------------------------------------------------------------------------------------------------- set-up
+    def _scale_learning_rate(self):
+        """--lr_scaling: the learning rate every builder sees is scaled by this world's global batch. Idempotent:
+        the base value is kept on the arguments, so arguments reused for another Trainer scale from the base."""
+        args = self.args
+        base = getattr(args, "_base_learning_rate", args.learning_rate)
+        object.__setattr__(args, "_base_learning_rate", base)
+        args.learning_rate = base
+        args.learning_rate = args.scaled_learning_rate(self.accelerator.num_processes)
+
     def _check_world(self):
         # The world this process joined must be the one the launcher/config describe (topology.py): it catches
         # every process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
@@ -345,6 +364,12 @@ class Trainer:
                 "global_train_batch_size": self.ctx.global_batch_size,
                 "total_steps": self.total_steps,
                 "updates_per_epoch": self.updates_per_epoch,
+                "learning_rate": {
+                    "used": self.args.learning_rate,
+                    "base": self.args._base_learning_rate,
+                    "scaling": self.args.lr_scaling,
+                    "base_batch_size": self.args.lr_base_batch_size,
+                },
                 "args": self.args.to_dict(),
                 "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
                 "topology": topology(self.accelerator),
@@ -356,10 +381,11 @@ class Trainer:
     def fit(self) -> dict:
         """Train to `total_steps` optimizer updates, evaluating, logging and checkpointing on the way."""
         args, p = self.args, self.progress
-        bar = tqdm(total=self.total_steps, initial=p.global_step, dynamic_ncols=True, desc="train",
-                   disable=args.disable_tqdm or not self.accelerator.is_main_process)  # fmt: skip
+        bar = self._progress_bar()
         metrics: dict = {}
         self.model.train()
+        self.meter.restart()
+        self.events.fire("fit_start", self)
         with self.preemption, faults.peer_failures(self):
             for window in self.windows():  # this rank's micro-batches of one optimizer update
                 self.update(window)
@@ -391,17 +417,26 @@ class Trainer:
         self.accelerator.end_training()
         return metrics
 
+    def _progress_bar(self):
+        # Not on a terminal (a log file, a SLURM job), a bar would flood the log: the plain line per log row stays.
+        quiet = self.args.disable_tqdm or not self.accelerator.is_main_process or not sys.stderr.isatty()
+        return tqdm(total=self.total_steps, initial=self.global_step, dynamic_ncols=True, desc="train", disable=quiet)
+
     def windows(self):
         """Accumulation windows from the current position on; the position moves as each window is handed out,
-        so a checkpoint written after the update of a window resumes right after it."""
+        so a checkpoint written after the update of a window resumes right after it. The time spent here, between
+        handing out two windows, is the time spent waiting for data."""
         p, L = self.progress, self.micro_batches_per_epoch
         if p.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
             return
+        asked = time.perf_counter()
         for epoch, position, window in accumulation_windows(
             self._epoch_batches, L, self.args.gradient_accumulation_steps, p.epoch, p.batch_in_epoch
         ):
             p.epoch, p.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
+            self.meter.waited(time.perf_counter() - asked)
             yield window
+            asked = time.perf_counter()
 
     def _epoch_batches(self, epoch: int, skip: int):
         loader = self.train_loader
@@ -422,13 +457,17 @@ class Trainer:
         the mean loss over every item of the global batch (a tensor; no host sync)."""
         acc, args, p = self.accelerator, self.args, self.progress
         loss_sum, n_sum = 0.0, 0
-        for i, batch in enumerate(window):
-            sync = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
-            with nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(self.model):
-                loss, n = self.recipe.loss(self.model, batch)
-                self._backward(loss * n if self._weighted else loss)
-            loss_sum = loss_sum + loss.detach() * n
-            n_sum = n_sum + n
+        flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
+        with flops or nullcontext():
+            for i, batch in enumerate(window):
+                sync = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
+                with nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(self.model):
+                    loss, n = self.recipe.loss(self.model, batch)
+                    self._backward(loss * n if self._weighted else loss)
+                loss_sum = loss_sum + loss.detach() * n
+                n_sum = n_sum + n
+        if flops is not None:
+            self.meter.counted(flops)
         if self._weighted:
             totals = torch.stack(
                 [
@@ -446,6 +485,7 @@ class Trainer:
             grads = [q.grad for q in self._params if q.grad is not None]
             torch._foreach_mul_(grads, acc.num_processes / n_sum.clamp(min=1))
         loss_mean = (loss_sum / n_sum).detach()
+        self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
         self._grad_norm = None
 
         if args.nan_policy == "skip" and not torch.isfinite(loss_mean):
@@ -510,7 +550,10 @@ class Trainer:
             metrics["loss_scale"] = self.accelerator.scaler.get_scale()
         if self.progress.skipped_steps or self.accelerator.scaler is not None or self.args.nan_policy == "skip":
             metrics["skipped_steps"] = self.progress.skipped_steps
+        metrics.update(self.meter.row())  # throughput, step time, data wait, memory (mfu): a gather on N ranks
         self._log_window = []
+        if progress_bar is not None and not progress_bar.disable:
+            progress_bar.set_postfix(loss=f"{metrics['loss']:.4g}", samples_s=f"{metrics['samples_per_second']:.4g}")
         return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress_bar)
 
     def _epoch_float(self) -> float:
