@@ -148,6 +148,15 @@ class TrainingArguments:
         },
     )
 
+    allow_global_batch_change: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume a checkpoint whose global batch (per-device x accumulation x processes) differs from "
+            "this run's. The position in the epoch is then rounded down to a whole update (some samples are seen "
+            "twice) and the schedule's length changes. Without it such a resume is refused."
+        },
+    )
+
     # --- learning-rate scaling -----------------------------------------------------------------------------------
     lr_scaling: str = field(
         default="none",

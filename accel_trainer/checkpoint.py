@@ -211,15 +211,9 @@ def _plain_key(name: str) -> str:
     return name
 
 
-def check_compatible(path: str, model, num_processes: int):
-    """The checkpoint was written by this world size for a model with these tensor names and shapes."""
-    manifest = read_manifest(path)
-    if manifest.get("num_processes") != num_processes:
-        raise CheckpointError(
-            f"Checkpoint {path} was written by {manifest.get('num_processes')} processes but this run has "
-            f"{num_processes}. Per-process random states and the position in the data belong to that world size: "
-            "resume with the same number of processes (see docs/fault-tolerance.md)."
-        )
+def check_compatible(path: str, model):
+    """The checkpoint was written for a model with these tensor names and shapes. (Another world size is the
+    Trainer's to judge: it re-computes the position in the data from the samples seen.)"""
     file = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(file):
         return  # e.g. a sharded (FSDP) state: accelerate checks it while loading
@@ -324,7 +318,7 @@ def remove_stale_tmp(output_dir: str) -> list[str]:
 def load_checkpoint(accelerator, path: str, model, ema=None) -> dict:
     """Restore everything save_checkpoint wrote (the folder was verified by resolve_*); returns the trainer state.
     `model`: the model being trained (wrapped or not), to check tensor names and shapes against first."""
-    check_compatible(path, model, accelerator.num_processes)
+    check_compatible(path, model)
     state = read_state(path)
     accelerator.load_state(path)
     if ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):

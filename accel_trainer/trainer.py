@@ -701,29 +701,44 @@ class Trainer:
         raise faults.Preempted(path, self.global_step)
 
     def _resume(self, path: str):
-        mine, saved = self.state(), ckpt.read_state(path)
-        changed = [
-            k for k in ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")
-            if saved.get(k) != mine[k]
-        ]  # fmt: skip
-        if changed:
-            raise ckpt.CheckpointError(
-                f"Checkpoint {path} was written with "
-                + ", ".join(f"{k}={saved[k]}" for k in changed)
-                + " but this run has "
-                + ", ".join(f"{k}={mine[k]}" for k in changed)
-                + ". The position in the data "
-                "and the per-process random states are tied to them: resume with the same values."
-            )
+        saved = ckpt.read_state(path)
+        position = self._resumed_position(saved, path)
         state = ckpt.load_checkpoint(self.accelerator, path, self.model, ema=self.ema)
         if self.accelerator.is_main_process:
             for stale in ckpt.remove_stale_tmp(self.args.output_dir):
                 self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
+        self.progress.batch_in_epoch = position
+        moved = "" if saved["num_processes"] == self.accelerator.num_processes else (
+            f", written by {saved['num_processes']} processes: batch {saved['batch_in_epoch']} there"
+        )  # fmt: skip
         self.reporter.print(
-            f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, "
-            f"batch {self.progress.batch_in_epoch})."
+            f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, batch {position}{moved})."
         )
+
+    def _resumed_position(self, saved: dict, path: str) -> int:
+        """This rank's micro-batch position in the epoch for a checkpoint written by any world size. The order of
+        an epoch's samples is a function of (seed, epoch) only, and each global micro-batch is the next
+        per_device x processes samples of it, so the samples already seen are batch_in_epoch x per_device x
+        processes: the same samples on any world size. Exact when the global batch is unchanged; the per-rank
+        random streams are not (a rank that did not exist restarts from the seed)."""
+        args, world = self.args, self.accelerator.num_processes
+        old_micro = saved["per_device_train_batch_size"] * saved["num_processes"]
+        old_global = old_micro * saved["gradient_accumulation_steps"]
+        new_micro = args.per_device_train_batch_size * world
+        new_global = new_micro * args.gradient_accumulation_steps
+        if old_global != new_global and not args.allow_global_batch_change:
+            raise ckpt.CheckpointError(
+                f"Checkpoint {path} was written with a global batch of {old_global} (per_device_train_batch_size="
+                f"{saved['per_device_train_batch_size']} x gradient_accumulation_steps="
+                f"{saved['gradient_accumulation_steps']} x {saved['num_processes']} processes); this run's is "
+                f"{new_global}. Keep the global batch (e.g. --per_device_train_batch_size "
+                f"{old_global // (args.gradient_accumulation_steps * world) or 1} on {world} processes), or pass "
+                "--allow_global_batch_change to continue with another (not exact: see docs/fault-tolerance.md)."
+            )
+        seen = saved["batch_in_epoch"] * old_micro  # samples of this epoch already trained on
+        window = new_micro * args.gradient_accumulation_steps
+        return seen // window * args.gradient_accumulation_steps  # whole updates; exact when the batch is kept
 
     def save_model(self, path: str | None = None) -> str:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
