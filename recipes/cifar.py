@@ -225,7 +225,7 @@ class CifarNet(nn.Module):
         self.whiten.weight.copy_(torch.cat((filters, -filters)))
 
 
-def _plain(model):
+def _cifarnet(model):
     """The CifarNet under DDP / torch.compile wrappers."""
     while not isinstance(model, CifarNet):
         model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
@@ -282,7 +282,7 @@ def loss(model, batch):
     labels = batch["labels"]
     # sum / max(n, 1), not the mean: a rank whose share of the last global batch is empty (1025 images on
     # 2 x 512) gives 0 with weight 0 instead of NaN (the mean of nothing), which would stop the run.
-    total = F.cross_entropy(logits.float(), labels, label_smoothing=_plain(model).label_smoothing, reduction="sum")
+    total = F.cross_entropy(logits.float(), labels, label_smoothing=_cifarnet(model).label_smoothing, reduction="sum")
     return total / max(len(labels), 1), len(labels)
 
 
@@ -412,7 +412,7 @@ def build_optimizer(model, ctx):
     scale = 1024 * (1 + 1 / (1 - args.momentum))
     lr = targs.learning_rate * B / scale
     wd = targs.weight_decay * B / scale
-    net = _plain(model)
+    net = _cifarnet(model)
     norm_biases = [m.bias for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     ids = {id(p) for p in norm_biases} | {id(net.whiten.bias)}
     others = [p for p in net.parameters() if p.requires_grad and id(p) not in ids]
