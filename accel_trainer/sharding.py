@@ -228,7 +228,7 @@ def _fsdp_root(model):
 
 def assert_sharded(accelerator, model) -> dict:
     """Check that `model` is sharded by FSDP2 over every process of this world; raise ShardingError saying what
-    it is instead. Returns what this rank holds: {"world_size", "units", "params", "params_local",
+    it is instead. Returns what this rank holds: {"world_size", "fsdp_modules", "params", "params_local",
     "param_bytes_local", ...}."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
@@ -252,11 +252,11 @@ def assert_sharded(accelerator, model) -> dict:
         total += p.numel()
         local += p.to_local().numel()
         local_bytes += p.to_local().numel() * p.element_size()
-    units = sum(isinstance(m, FSDPModule) for m in root.modules())
+    fsdp_modules = sum(isinstance(m, FSDPModule) for m in root.modules())
     return {
         "sharded": "fsdp2",
         "world_size": world,
-        "units": units,
+        "fsdp_modules": fsdp_modules,  # modules fully_shard was applied to (a list shares one unit)
         "params": total,
         "params_local": local,
         "param_bytes_local": local_bytes,

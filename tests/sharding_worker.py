@@ -37,7 +37,16 @@ def build_model(kind: str):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        vocab_size=96,
+        bos_token_id=0,
+        eos_token_id=0,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2LMHeadModel(config)  # tied lm_head/wte; _no_split_modules = ["GPT2Block"]
 
@@ -182,13 +191,16 @@ def mp_policy_seen(model) -> dict:
     """The mixed-precision policy on the FSDP units, and the dtype the first block computes in."""
     from torch.distributed.fsdp import FSDPModule
 
-    seen = {}
+    seen = {"master_dtype": str(next(model.parameters()).dtype)}  # the sharded parameters the optimizer steps
     first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-    first.register_forward_hook(lambda m, i, o: seen.setdefault("compute_dtype", str(o.dtype)))
-    model(torch.randn(2, 16)) if isinstance(model[0], torch.nn.Linear) else None
+
+    def hook(module, inputs, output):
+        seen["compute_dtype"] = str(output.dtype)
+
+    first.register_forward_hook(hook)
+    model(torch.randn(2, 16))  # every rank: the forward all-gathers the shards
     policy = model._get_fsdp_state()._mp_policy if isinstance(model, FSDPModule) else None
     seen["param_dtype"], seen["reduce_dtype"] = str(policy.param_dtype), str(policy.reduce_dtype)
-    seen["master_dtype"] = str(next(model.parameters()).dtype)
     return seen
 
 
