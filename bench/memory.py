@@ -9,9 +9,11 @@ gradients and optimizer state (local shards under FSDP) and the peak resident me
     python bench/memory.py                  # all three, ~3-5 minutes on a 2-core CPU, ~6 GiB of RAM at peak
     python bench/memory.py --modes fsdp --layers 2     # a quick look
 
-Peak RSS is measured two ways: over the process's life (ru_maxrss: includes building the full model on every
-rank before it is sharded -- Accelerate's cpu_ram_efficient_loading would avoid that for pretrained weights)
-and during the training steps only (sampled every 5 ms), which is what sharding reduces.
+Resident memory (RSS) per rank: after start-up ("base": Python, torch, accelerate, transformers), after the model
+is built and prepared (sharded under FSDP), the peak during the training steps (sampled every 5 ms) and over the
+process's life (ru_maxrss: includes building the full model on every rank before it is sharded; Accelerate's
+cpu_ram_efficient_loading avoids that for pretrained weights). The processes run with
+MALLOC_MMAP_THRESHOLD_=1MiB (see run_mode; --glibc_default to keep glibc's own) so freed tensors leave RSS.
 """
 
 from __future__ import annotations
@@ -58,32 +60,33 @@ class RssSampler:
 
     def __init__(self):
         self.peak, self._stop = 0, threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _rss(self) -> int:
+    @staticmethod
+    def rss() -> int:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
+            self.peak = max(self.peak, self.rss())
             time.sleep(0.005)
 
     def __enter__(self):
-        self.peak = self._rss()
+        self.peak = self.rss()
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._rss())
+        self.peak = max(self.peak, self.rss())
 
 
 def worker(args):
     """One process of one mode: build, prepare (shard), train, report this rank's numbers as a JSON line."""
     import torch.distributed as dist
+    import transformers  # noqa: F401 - imported before the "base" RSS is read
     from accelerate import Accelerator
 
     from accel_trainer import sharding
@@ -91,12 +94,14 @@ def worker(args):
     plugin = sharding.fsdp_plugin()
     acc = Accelerator(cpu=True, fsdp_plugin=plugin, step_scheduler_with_optimizer=False)
     sharding.activate_fsdp(acc, plugin)
+    rss_base = RssSampler.rss()
     assert acc.num_processes == (1 if args.mode == "single" else 2), acc.num_processes
     assert acc.distributed_type.value == {"single": "NO", "ddp": "MULTI_CPU", "fsdp": "FSDP"}[args.mode]
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = sharding.prepare_sharded(acc, model, optimizer)
+    rss_prepared = RssSampler.rss()
     g = torch.Generator().manual_seed(acc.process_index)
     times = []
     with RssSampler() as during:
@@ -116,6 +121,8 @@ def worker(args):
         "world": acc.num_processes,
         "params_total": n_params,
         **held,
+        "rss_base": rss_base,
+        "rss_prepared": rss_prepared,
         "peak_rss_training": during.peak,
         "peak_rss_lifetime": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "s_per_step": sorted(times)[len(times) // 2],
@@ -152,6 +159,11 @@ def run_mode(mode: str, args, folder: str) -> list[dict]:
             cmd += ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
         cmd += me
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    if not args.glibc_default:
+        # glibc raises its mmap threshold as large blocks are freed (up to 32 MiB), after which freed tensors stay
+        # in the heap and in RSS: the RSS of a process that built the full model and then sharded it would say
+        # little about what it holds. A fixed 1 MiB threshold returns freed tensors to the OS.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
@@ -171,6 +183,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     p.add_argument("--timeout", type=int, default=1200)
+    p.add_argument("--glibc_default", action="store_true", help="keep glibc's dynamic mmap threshold (see code)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -188,39 +201,22 @@ def main():
         f"\nGPT-2 {args.layers} layers x {args.width}, vocab {args.vocab}: {rows[0]['params_total'] / 1e6:.1f}M "
         f"parameters, fp32, AdamW, batch {args.batch} x {args.seq} tokens per process, {args.steps} steps"
     )
-    head = (
-        "mode",
-        "rank",
-        "params MiB",
-        "grads MiB",
-        "optim MiB",
-        "state MiB",
-        "peak RSS train MiB",
-        "peak RSS life MiB",
-        "s/step",
-    )
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    columns = {  # header: (value, format)
+        "mode": (lambda r: r["mode"], "{}"),
+        "rank": (lambda r: r["rank"], "{}"),
+        "params MiB": (lambda r: r["param_bytes"] / MiB, "{:.0f}"),
+        "grads MiB": (lambda r: r["grad_bytes"] / MiB, "{:.0f}"),
+        "optimizer MiB": (lambda r: r["optimizer_bytes"] / MiB, "{:.0f}"),
+        "state MiB": (lambda r: (r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]) / MiB, "{:.0f}"),
+        "RSS base MiB": (lambda r: r["rss_base"] / MiB, "{:.0f}"),
+        "RSS prepared MiB": (lambda r: r["rss_prepared"] / MiB, "{:.0f}"),
+        "peak RSS training MiB": (lambda r: r["peak_rss_training"] / MiB, "{:.0f}"),
+        "peak RSS lifetime MiB": (lambda r: r["peak_rss_lifetime"] / MiB, "{:.0f}"),
+        "s/step": (lambda r: r["s_per_step"], "{:.1f}"),
+    }
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for r in rows:
-        state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
-        cells = (
-            r["mode"],
-            r["rank"],
-            r["param_bytes"] / MiB,
-            r["grad_bytes"] / MiB,
-            r["optimizer_bytes"] / MiB,
-            state / MiB,
-            r["peak_rss_training"] / MiB,
-            r["peak_rss_lifetime"] / MiB,
-            r["s_per_step"],
-        )
-        print(
-            "| "
-            + " | ".join(
-                f"{c:.0f}" if isinstance(c, float) and c > 10 else f"{c:.2f}" if isinstance(c, float) else str(c)
-                for c in cells
-            )
-            + " |"
-        )
+        print("| " + " | ".join(fmt.format(value(r)) for value, fmt in columns.values()) + " |")
     wraps = {r["wrap"] for r in rows if r["wrap"]}
     if wraps:
         print(f"\nFSDP wrapping: {', '.join(wraps)}")
