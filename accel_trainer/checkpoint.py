@@ -426,3 +426,31 @@ def load_resharded(path: str, model, optimizer=None, scheduler=None):
     if scheduler is not None:
         sched = getattr(scheduler, "scheduler", scheduler)  # AcceleratedScheduler -> torch scheduler
         sched.load_state_dict(torch.load(os.path.join(path, f"{SCHEDULER_NAME}.bin"), weights_only=True))
+
+
+def check_compatible_sharded(path: str, model):
+    """check_compatible's tensor names and shapes for a sharded checkpoint, from its DCP metadata (global
+    shapes): a checkpoint of another model is an error naming the differences, not a failure deep inside DCP.
+    Call after check_dcp_metadata_safe (this unpickles the model's `.metadata` with the same allow-list)."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+
+    file = os.path.join(path, f"{FSDP_MODEL_NAME}_0", _DCP_META)
+    with open(file, "rb") as f:
+        meta = _dcp_unpickler(f).load()
+    found = {k.split(".", 1)[1]: tuple(v.size) for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
+    expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}  # DTensor: global shape
+    problems = [
+        f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
+        for k in expected
+        if k in found and found[k] != expected[k]
+    ]
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        problems.append(f"unexpected tensors {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    if problems:
+        raise CheckpointError(
+            f"Checkpoint {path}: {os.path.dirname(file)} does not fit this model ({'; '.join(problems[:5])}). "
+            "Resume with the model arguments the checkpoint was written with."
+        )

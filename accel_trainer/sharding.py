@@ -286,6 +286,19 @@ def rank_state_bytes(model, optimizer=None) -> dict:
     return out
 
 
+def rank_holdings(accelerator, model, optimizer=None) -> list[dict]:
+    """rank_state_bytes of every rank (with the sharding info of prepare_sharded), in rank order, on every rank:
+    for run_config.json. Collective with several processes: every rank calls it."""
+    mine = rank_state_bytes(model, optimizer) | getattr(accelerator, "sharding_info", {})
+    if accelerator.num_processes == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    out = [None] * accelerator.num_processes
+    dist.all_gather_object(out, mine)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- refusals
 def refuse_ema(accelerator, ema_decay: float) -> None:
     """The EMA copy is a full deep copy of the model on every rank (torch AveragedModel): under FSDP it would

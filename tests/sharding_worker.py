@@ -19,7 +19,6 @@ import sys
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -160,7 +159,7 @@ def main():
 
     if a.expect == "fsdp":
         log["sharding"] = acc.sharding_info
-        log["per_rank"] = gather_objects(acc, sharding.rank_state_bytes(model, optimizer) | acc.sharding_info)
+        log["per_rank"] = sharding.rank_holdings(acc, model, optimizer)
         if a.reduce_dtype:
             log["mp_policy"] = mp_policy_seen(model)
     save_full(acc, model, optimizer, a.out)
@@ -177,14 +176,6 @@ def save_full(acc, model, optimizer, folder: str):
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if acc.is_main_process:
         torch.save(osd["state"], os.path.join(folder, "optimizer.pt"))
-
-
-def gather_objects(acc, obj) -> list:
-    if acc.num_processes == 1:
-        return [obj]
-    out = [None] * acc.num_processes
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def mp_policy_seen(model) -> dict:

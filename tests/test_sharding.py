@@ -123,6 +123,10 @@ def test_exact_resume_after_dcp_checkpoint(mlp):
     dcp_dirs = {p for p in os.listdir(d / "fsdp" / "ckpt")}
     assert {"pytorch_model_fsdp_0", "optimizer_0"} <= dcp_dirs  # sharded through DCP, not one full file
     assert ckpt.is_sharded_checkpoint(str(d / "fsdp" / "ckpt"))
+    ckpt.check_compatible_sharded(str(d / "fsdp" / "ckpt"), sharding_worker.build_model("mlp"))
+    wider = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    with pytest.raises(ckpt.CheckpointError, match=r"0.weight: \(32, 16\) in the checkpoint, \(64, 16\) in this"):
+        ckpt.check_compatible_sharded(str(d / "fsdp" / "ckpt"), wider)
 
 
 def test_two_process_checkpoint_resumes_on_one(mlp):
