@@ -22,6 +22,21 @@ class ArgumentError(ValueError):
     """A bad argument value. The message names the flag and what to pass instead."""
 
 
+def _canonical_report_to(value) -> str:
+    """transformers' `report_to` values (None, [], ["a", "b"], "a,b", "all", "none") as one string: "none", "all"
+    or names joined by commas. The same run then records the same value from the command line and from Python."""
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ArgumentError(f"--report_to: {value!r} is not a tracker name, a list of names, 'all' or 'none'.")
+    names = [v.strip() for v in value if v.strip()]
+    if len(names) > 1 and ("none" in names or "all" in names):
+        raise ArgumentError(f"--report_to: 'none' and 'all' stand alone, got {','.join(names)}.")
+    return ",".join(names) or "none"
+
+
 @dataclass
 class TrainingArguments:
     # --- where things go -----------------------------------------------------------------------------------------
@@ -153,6 +168,7 @@ class TrainingArguments:
         def bad(flag, msg):
             raise ArgumentError(f"--{flag}: {msg}")
 
+        self.report_to = _canonical_report_to(self.report_to)
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             bad("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}.")
         if self.ddp_comm_hook not in COMM_HOOKS:
@@ -185,7 +201,6 @@ class TrainingArguments:
             bad("max_steps", "set --max_steps > 0 or --num_train_epochs > 0.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad("save_total_limit", f"must be >= 1, got {self.save_total_limit}.")
-        self.report_to = _canonical_report_to(self.report_to)
 
     @property
     def trackers(self) -> list[str] | str | None:
@@ -197,21 +212,6 @@ class TrainingArguments:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def _canonical_report_to(value) -> str:
-    """transformers' `report_to` values (None, [], ["a", "b"], "a,b", "all", "none") as one string: "none", "all"
-    or names joined by commas. The same run then records the same value from the command line and from Python."""
-    if value is None:
-        return "none"
-    if isinstance(value, str):
-        value = value.split(",")
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ArgumentError(f"--report_to: {value!r} is not a tracker name, a list of names, 'all' or 'none'.")
-    names = [v.strip() for v in value if v.strip()]
-    if len(names) > 1 and ("none" in names or "all" in names):
-        raise ArgumentError(f"--report_to: 'none' and 'all' stand alone, got {','.join(names)}.")
-    return ",".join(names) or "none"
 
 
 class _DefaultsHelpFormatter(argparse.HelpFormatter):
