@@ -23,6 +23,21 @@ class ArgumentError(ValueError):
     """A bad argument value. The message names the flag and what to pass instead."""
 
 
+def _canonical_report_to(value) -> str:
+    """transformers' `report_to` values (None, [], ["a", "b"], "a,b", "all", "none") as one string: "none", "all"
+    or names joined by commas. The same run then records the same value from the command line and from Python."""
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ArgumentError(f"--report_to: {value!r} is not a tracker name, a list of names, 'all' or 'none'.")
+    names = [v.strip() for v in value if v.strip()]
+    if len(names) > 1 and ("none" in names or "all" in names):
+        raise ArgumentError(f"--report_to: 'none' and 'all' stand alone, got {','.join(names)}.")
+    return ",".join(names) or "none"
+
+
 @dataclass
 class TrainingArguments:
     # --- where things go -----------------------------------------------------------------------------------------
@@ -102,7 +117,9 @@ class TrainingArguments:
             "help": "A larger metric_for_best_model is better. Default: False for names ending in 'loss', else True."
         },
     )
-    report_to: str = field(
+    # Typed as transformers types it (HfArgumentParser parses this order as a plain string); the Python API also
+    # takes a list, and None or [] for none. __post_init__ makes it one canonical string.
+    report_to: None | str | list[str] = field(
         default="none",
         metadata={
             "help": "Trackers for accelerate's log_with, comma-separated (tensorboard, "
@@ -190,6 +207,7 @@ class TrainingArguments:
         def bad(flag, msg):
             raise ArgumentError(f"--{flag}: {msg}")
 
+        self.report_to = _canonical_report_to(self.report_to)
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             bad("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}.")
         if self.ddp_comm_hook not in COMM_HOOKS:
@@ -233,8 +251,9 @@ class TrainingArguments:
 
     @property
     def trackers(self) -> list[str] | str | None:
-        names = [t.strip() for t in self.report_to.split(",") if t.strip()]
-        if names in ([], ["none"]):
+        """Accelerate's `log_with`: None (no tracker), "all", or a list of names."""
+        names = _canonical_report_to(self.report_to).split(",")
+        if names == ["none"]:
             return None
         return "all" if names == ["all"] else names
 
