@@ -206,7 +206,7 @@ def test_sigterm_checkpoints_and_exits_75_then_resume_is_bit_identical(tmp_path,
 def _worker(run: Run, rank: int) -> psutil.Process:
     for p in run.tree():
         try:
-            if p.environ().get("RANK") == str(rank) and "regression.py" in " ".join(p.cmdline()):
+            if p.environ().get("RANK") == str(rank) and os.path.basename(SCRIPT) in " ".join(p.cmdline()):
                 return p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
