@@ -10,16 +10,32 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
+LR_SCALING = ("none", "linear", "sqrt")
 
 
 class ArgumentError(ValueError):
     """A bad argument value. The message names the flag and what to pass instead."""
+
+
+def _canonical_report_to(value) -> str:
+    """transformers' `report_to` values (None, [], ["a", "b"], "a,b", "all", "none") as one string: "none", "all"
+    or names joined by commas. The same run then records the same value from the command line and from Python."""
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ArgumentError(f"--report_to: {value!r} is not a tracker name, a list of names, 'all' or 'none'.")
+    names = [v.strip() for v in value if v.strip()]
+    if len(names) > 1 and ("none" in names or "all" in names):
+        raise ArgumentError(f"--report_to: 'none' and 'all' stand alone, got {','.join(names)}.")
+    return ",".join(names) or "none"
 
 
 @dataclass
@@ -101,7 +117,9 @@ class TrainingArguments:
             "help": "A larger metric_for_best_model is better. Default: False for names ending in 'loss', else True."
         },
     )
-    report_to: str = field(
+    # Typed as transformers types it (HfArgumentParser parses this order as a plain string); the Python API also
+    # takes a list, and None or [] for none. __post_init__ makes it one canonical string.
+    report_to: None | str | list[str] = field(
         default="none",
         metadata={
             "help": "Trackers for accelerate's log_with, comma-separated (tensorboard, "
@@ -147,10 +165,49 @@ class TrainingArguments:
         },
     )
 
+    allow_global_batch_change: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume a checkpoint whose global batch (per-device x accumulation x processes) differs from "
+            "this run's. The position in the epoch is then rounded down to a whole update (some samples are seen "
+            "twice) and the schedule's length changes. Without it such a resume is refused."
+        },
+    )
+
+    # --- learning-rate scaling -----------------------------------------------------------------------------------
+    lr_scaling: str = field(
+        default="none",
+        metadata={
+            "help": "Scale --learning_rate with the global batch (per-device x accumulation x processes) over "
+            "--lr_base_batch_size: none, linear (lr x B/B0) or sqrt (lr x sqrt(B/B0)). The scaled value is used, "
+            "logged, and recorded in run_config.json; warmup applies to it as to any learning rate."
+        },
+    )
+    lr_base_batch_size: int | None = field(
+        default=None, metadata={"help": "The global batch --learning_rate was tuned for (needed by --lr_scaling)."}
+    )
+
+    # --- observability -------------------------------------------------------------------------------------------
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peak TFLOP/s of one device, for the logged mfu (model FLOPs utilisation). Default: known for "
+            "H100/H200/A100/L40S/L4/A10 under bf16/fp16; no mfu otherwise."
+        },
+    )
+    profile_steps: str | None = field(
+        default=None,
+        metadata={
+            "help": "Profile updates A-B (e.g. 5-8) with torch.profiler on every rank: traces for TensorBoard/Chrome "
+            "in output_dir/profile/, top ops and collective time printed. See docs/observability.md."
+        },
+    )
+
     def __post_init__(self):
         def bad(flag, msg):
             raise ArgumentError(f"--{flag}: {msg}")
 
+        self.report_to = _canonical_report_to(self.report_to)
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             bad("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}.")
         if self.ddp_comm_hook not in COMM_HOOKS:
@@ -183,16 +240,66 @@ class TrainingArguments:
             bad("max_steps", "set --max_steps > 0 or --num_train_epochs > 0.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad("save_total_limit", f"must be >= 1, got {self.save_total_limit}.")
+        if self.lr_scaling not in LR_SCALING:
+            bad("lr_scaling", f"{self.lr_scaling!r} is not one of {', '.join(LR_SCALING)}.")
+        if self.lr_scaling != "none" and (self.lr_base_batch_size is None or self.lr_base_batch_size < 1):
+            bad("lr_base_batch_size", "--lr_scaling needs the global batch the learning rate was tuned for, >= 1.")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            bad("peak_tflops", f"must be > 0, got {self.peak_tflops}.")
+        if self.profile_steps is not None:
+            self.profile_range  # noqa: B018 - validates
 
     @property
     def trackers(self) -> list[str] | str | None:
-        names = [t.strip() for t in self.report_to.split(",") if t.strip()]
-        if names in ([], ["none"]):
+        """Accelerate's `log_with`: None (no tracker), "all", or a list of names."""
+        names = _canonical_report_to(self.report_to).split(",")
+        if names == ["none"]:
             return None
         return "all" if names == ["all"] else names
 
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """--profile_steps A-B as (A, B), 1-based updates, both included."""
+        if self.profile_steps is None:
+            return None
+        first, _, last = str(self.profile_steps).partition("-")
+        try:
+            a, b = int(first), int(last or first)
+        except ValueError:
+            a = b = 0
+        if not 1 <= a <= b:
+            raise ArgumentError(f"--profile_steps: {self.profile_steps!r} is not A-B with 1 <= A <= B (e.g. 5-8).")
+        return a, b
+
+    def scaled_learning_rate(self, world_size: int) -> float:
+        """--learning_rate after --lr_scaling for this world size's global batch."""
+        if self.lr_scaling == "none":
+            return self.learning_rate
+        ratio = (
+            self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size / self.lr_base_batch_size
+        )
+        return self.learning_rate * (ratio if self.lr_scaling == "linear" else ratio**0.5)
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _record_user_fields(cls):
+    """Wrap a dataclass __init__ so each instance knows which fields its caller set: in a notebook,
+    `TrainingArguments(output_dir=..., max_steps=200)` means "these two are mine, the recipe decides the rest",
+    exactly like the same two flags on the command line (see resolve_args)."""
+    init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        object.__setattr__(self, "_user_fields", frozenset(names[: len(args)]) | frozenset(kwargs))
+
+    __init__.__doc__, __init__.__wrapped__ = init.__doc__, init
+    cls.__init__ = __init__
+    return cls
+
+
+_record_user_fields(TrainingArguments)
 
 
 class _DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -200,6 +307,8 @@ class _DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
+        if "%(" not in text:
+            text = text.replace("%", "%%")  # argparse %-formats help: a literal % ("30% of training") must not crash
         if action.default is not argparse.SUPPRESS and action.option_strings and "%(default)" not in text:
             text += " (default: %(default)s)"
         return text
@@ -263,3 +372,71 @@ def parse_args(
         parser.error(str(e))
     result = (parsed[0], parsed[1] if recipe_args_cls is not None else None)
     return (*result, given) if return_given else result
+
+
+def _field_defaults(obj) -> dict[str, Any]:
+    out = {}
+    for f in fields(obj):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def user_values(targs: TrainingArguments | None, rargs=None) -> dict[str, Any]:
+    """The values a notebook user set on argument objects they built themselves: the fields passed to
+    `TrainingArguments(...)`, and the recipe Args fields that differ from their defaults (a recipe's dataclass
+    cannot record its caller; a value equal to the default is then taken as unset)."""
+    values = {}
+    if targs is not None:
+        values.update({k: getattr(targs, k) for k in getattr(targs, "_user_fields", ())})
+    if rargs is not None and is_dataclass(rargs):
+        default = _field_defaults(rargs)
+        values.update(
+            {
+                f.name: getattr(rargs, f.name)
+                for f in fields(rargs)
+                if f.name not in default or getattr(rargs, f.name) != default[f.name]
+            }
+        )
+    return values
+
+
+def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] | None = None, world_size=None):
+    """THE argument resolution of a run, for every entry point (python recipes/x.py, accelerate launch,
+    accel-trainer train, Trainer.from_recipe, Trainer(recipe, TrainingArguments(...))), so they cannot drift:
+
+        our defaults  <  the recipe's `defaults`  <  its `configure` (presets)  <  what the user set
+
+    The user's values come either from a command line (`argv`, which may start with a YAML/JSON arguments file)
+    or from Python (`values`: field names of TrainingArguments or the recipe's Args). `configure` sees which fields
+    the user set (`ctx.given`) and leaves them alone. Returns (TrainingArguments, recipe args or None, given).
+    A bad flag exits 2 (argparse); a bad keyword raises ArgumentError naming it.
+    """
+    from .accel import launched_world_size
+    from .recipe import RecipeContext, load_recipe
+
+    recipe = load_recipe(recipe)
+    if values is None:
+        targs, rargs, given = parse_args(recipe.Args, argv, defaults=recipe.defaults, return_given=True)
+    else:
+        names = {"targs": {f.name for f in fields(TrainingArguments)}}
+        names["rargs"] = {f.name for f in fields(recipe.Args)} if recipe.Args is not None else set()
+        unknown = sorted(set(values) - names["targs"] - names["rargs"])
+        if unknown:
+            raise ArgumentError(
+                f"unknown argument(s) {', '.join(unknown)} for recipe {recipe.name}: pass TrainingArguments fields "
+                f"or fields of the recipe's Args (python recipes/{recipe.name}.py --help lists them)."
+            )
+        chosen = {**(recipe.defaults or {}), **values}  # the recipe's defaults, then the user's values
+        targs = TrainingArguments(**{k: v for k, v in chosen.items() if k in names["targs"]})
+        rargs = recipe.Args(**{k: v for k, v in chosen.items() if k in names["rargs"]}) if recipe.Args else None
+        given = set(values)
+    given = frozenset(given)
+    if recipe.configure:
+        world = world_size if world_size is not None else launched_world_size()
+        recipe.configure(RecipeContext(args=rargs, targs=targs, world_size=world, given=given))
+    object.__setattr__(targs, "_resolved", True)  # Trainer(...) then takes these as they are
+    object.__setattr__(targs, "_user_fields", given)
+    return targs, rargs, given

@@ -105,9 +105,10 @@ def write_manifest(folder: str, state: dict) -> dict:
 
 
 def save_checkpoint(
-    accelerator, output_dir: str, step: int, state: dict, ema=None, save_total_limit: int | None = None, hooks=None
+    accelerator, output_dir: str, step: int, state: dict, ema=None, save_total_limit: int | None = None, on_staged=None
 ) -> str:
-    """Every process calls this (each saves its own RNG state). Returns the final folder."""
+    """Every process calls this (each saves its own RNG state). Returns the final folder. `on_staged(tmp)` runs
+    when this process's files are in the temporary folder, before the commit (fault tests kill the run there)."""
     root = checkpoints_root(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp_step_{step}")
@@ -121,8 +122,8 @@ def save_checkpoint(
             save_model(ema.module, os.path.join(tmp, EMA_FILE))
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(state, f, indent=2)
-    if hooks is not None:
-        hooks.during_save(tmp)  # test-only (ACCEL_TRAINER_TEST_FAULTS=save_delay=...): a kill lands here
+    if on_staged is not None:
+        on_staged(tmp)
     accelerator.wait_for_everyone()  # every rank's files are in tmp
     if accelerator.is_main_process:
         write_manifest(tmp, state)
@@ -210,15 +211,9 @@ def _plain_key(name: str) -> str:
     return name
 
 
-def check_compatible(path: str, model, num_processes: int):
-    """The checkpoint was written by this world size for a model with these tensor names and shapes."""
-    manifest = read_manifest(path)
-    if manifest.get("num_processes") != num_processes:
-        raise CheckpointError(
-            f"Checkpoint {path} was written by {manifest.get('num_processes')} processes but this run has "
-            f"{num_processes}. Per-process random states and the position in the data belong to that world size: "
-            "resume with the same number of processes (see docs/fault-tolerance.md)."
-        )
+def check_compatible(path: str, model):
+    """The checkpoint was written for a model with these tensor names and shapes. (Another world size is the
+    Trainer's to judge: it re-computes the position in the data from the samples seen.)"""
     file = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(file):
         return  # e.g. a sharded (FSDP) state: accelerate checks it while loading
@@ -323,9 +318,134 @@ def remove_stale_tmp(output_dir: str) -> list[str]:
 def load_checkpoint(accelerator, path: str, model, ema=None) -> dict:
     """Restore everything save_checkpoint wrote (the folder was verified by resolve_*); returns the trainer state.
     `model`: the model being trained (wrapped or not), to check tensor names and shapes against first."""
-    check_compatible(path, model, accelerator.num_processes)
+    check_compatible(path, model)
     state = read_state(path)
     accelerator.load_state(path)
     if ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):
         load_model(ema.module, os.path.join(path, EMA_FILE), device=str(accelerator.device))
     return state
+
+
+# ------------------------------------------------------------------------------- sharded (FSDP2) checkpoints, DCP
+# Under FSDP, `accelerator.save_state` writes the model and the optimizer with torch.distributed.checkpoint
+# (DCP): folders `pytorch_model_fsdp_0/` and `optimizer_0/`, each with one `__<rank>_0.distcp` per rank and a
+# `.metadata` (which tensor chunk is where, by parameter name and global offsets). save_checkpoint and
+# write_manifest list and hash them like any other file. Two additions for them:
+#  - `.metadata` is read by torch with a plain `pickle.load` (not `weights_only`), so check_safe_to_load's
+#    promise (no pickled code runs) needs check_dcp_metadata_safe: an unpickler that admits only the classes
+#    DCP writes. The `.distcp` files themselves hold raw tensor bytes, and torch.load(weights_only=True) data.
+#  - load_resharded restores model and optimizer of a DCP checkpoint into a model on any number of processes,
+#    sharded or not (DCP matches tensors by name and global offsets): a 2-process FSDP checkpoint resumes on 1.
+_DCP_META = ".metadata"
+_DCP_CLASSES = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.layout's reduce: a name lookup
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+
+
+def _dcp_unpickler(file):
+    import pickle
+
+    class DcpMetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            import torch
+
+            allowed = (
+                (module, name) in _DCP_CLASSES
+                or (module == "torch.distributed.checkpoint.metadata" and not name.startswith("__"))
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            )
+            if not allowed:
+                raise pickle.UnpicklingError(f"global {module}.{name} is not one DCP metadata uses")
+            return super().find_class(module, name)
+
+    return DcpMetadataUnpickler(file)
+
+
+def check_dcp_metadata_safe(path: str, manifest: dict):
+    """Unpickle every DCP `.metadata` file of a checkpoint with an allow-list of DCP's own classes, before torch
+    loads it with plain pickle. Raises CheckpointError naming a file that holds anything else."""
+    for rel in manifest["files"]:
+        if os.path.basename(rel) != _DCP_META:
+            continue
+        file = os.path.join(path, rel)
+        try:
+            with open(file, "rb") as f:
+                _dcp_unpickler(f).load()
+        except Exception as e:  # noqa: BLE001 - any failure means torch's pickle.load must not see it
+            raise CheckpointError(
+                f"Checkpoint {path}: {file} cannot be loaded safely ({type(e).__name__}: {e}). Only the classes of "
+                "torch.distributed.checkpoint metadata are admitted; it was not run."
+            ) from None
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """A checkpoint whose model was saved sharded with DCP (an FSDP run)."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+
+    return os.path.isfile(os.path.join(path, f"{FSDP_MODEL_NAME}_0", _DCP_META))
+
+
+def load_resharded(path: str, model, optimizer=None, scheduler=None):
+    """Restore the model (and optimizer, scheduler) of a sharded checkpoint into `model` as it is in this run:
+    FSDP-sharded over any number of processes, DDP-wrapped or plain on one process. Every rank calls it (with
+    several processes it is collective). Weights and optimizer state (AdamW's step, moments) come back bit for
+    bit; what cannot move to another world size is the per-rank RNG state and a data position counted in
+    per-rank micro-batches -- the caller decides about those. On the same world size, accelerator.load_state
+    restores everything (it runs the same DCP load for model and optimizer)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SCHEDULER_NAME
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"model": get_model_state_dict(model)}  # names without wrapper prefixes, this rank's shapes
+    dcp.load(state, checkpoint_id=os.path.join(path, f"{FSDP_MODEL_NAME}_0"))
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        opt = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer -> torch optimizer
+        # get_optimizer_state_dict creates AdamW's state (a zero-lr step) so DCP has tensors to load into
+        state = {"optimizer": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=os.path.join(path, f"{OPTIMIZER_NAME}_0"))
+        set_optimizer_state_dict(model, opt, state["optimizer"])
+    if scheduler is not None:
+        sched = getattr(scheduler, "scheduler", scheduler)  # AcceleratedScheduler -> torch scheduler
+        sched.load_state_dict(torch.load(os.path.join(path, f"{SCHEDULER_NAME}.bin"), weights_only=True))
+
+
+def check_compatible_sharded(path: str, model):
+    """check_compatible's tensor names and shapes for a sharded checkpoint, from its DCP metadata (global
+    shapes): a checkpoint of another model is an error naming the differences, not a failure deep inside DCP.
+    Call after check_dcp_metadata_safe (this unpickles the model's `.metadata` with the same allow-list)."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+
+    file = os.path.join(path, f"{FSDP_MODEL_NAME}_0", _DCP_META)
+    with open(file, "rb") as f:
+        meta = _dcp_unpickler(f).load()
+    found = {k.split(".", 1)[1]: tuple(v.size) for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
+    expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}  # DTensor: global shape
+    problems = [
+        f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
+        for k in expected
+        if k in found and found[k] != expected[k]
+    ]
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        problems.append(f"unexpected tensors {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    if problems:
+        raise CheckpointError(
+            f"Checkpoint {path}: {os.path.dirname(file)} does not fit this model ({'; '.join(problems[:5])}). "
+            "Resume with the model arguments the checkpoint was written with."
+        )

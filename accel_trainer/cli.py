@@ -9,6 +9,7 @@ accel-trainer launch ...                                 accelerate launch with 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -30,12 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="run a recipe file with training arguments", add_help=False)
     for module in ("wizard", "preflight", "launch"):
-        try:
-            mod = __import__(f"accel_trainer.{module}", fromlist=["add_parser"])
-        except ImportError:
-            continue
-        if hasattr(mod, "add_parser"):
-            mod.add_parser(sub)  # registers the subcommand and sets func=...
+        # No try/except: a subcommand module that fails to import is a bug (a missing dependency, a typo), and
+        # swallowing it made the subcommand silently vanish from --help. Let the ImportError name it.
+        importlib.import_module(f"accel_trainer.{module}").add_parser(sub)  # registers it and sets func=...
     if argv and argv[0] == "train":
         return _train(argv[1:])
     args = parser.parse_args(argv)

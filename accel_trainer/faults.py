@@ -9,16 +9,13 @@ step. A second signal ends the process at once (the default action).
 Elastic restarts: under `accelerate launch --max_restarts N` (torchrun), a restarted worker group sees
 TORCHELASTIC_RESTART_COUNT > 0 and resumes from the newest good checkpoint by itself (`auto`).
 
-Test-only fault injection: the environment variable ACCEL_TRAINER_TEST_FAULTS (see `TestFaults`). Never set it
-in a real run.
+Faults are injected in tests through the Trainer's named events (tests/fault_recipe.py), never from inside fit().
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
-import time
 from contextlib import contextmanager
 
 from .errors import UserError
@@ -126,6 +123,52 @@ class Vote:
         return bool(self.host > 0)
 
 
+class Preemption:
+    """Preemption for fit(): the signal handler, and the ranks' agreement on the update at which all of them stop.
+
+        with preemption:                      # installs the handlers for the duration of fit()
+            totals = [..., preemption.vote()] # this rank's vote rides on the update's one all-reduce
+            preemption.record(reduced[-1])    # the reduced vote (several processes)
+            if preemption.agreed(): ...       # every rank reads the same vote at the same update
+
+    With one process `agreed()` is the flag itself (no collective, no cost). With several, it is the vote of the
+    PREVIOUS update, whose all-reduce has finished by now: no wait on the current update's GPU work; every rank
+    therefore stops at the same step, one update after the signal arrived anywhere.
+    """
+
+    def __init__(self, device, num_processes: int):
+        import torch
+
+        self.handler = PreemptionHandler()
+        self.num_processes = num_processes
+        self._values = (torch.zeros((), device=device), torch.ones((), device=device))
+        self._current = self._previous = None
+
+    @property
+    def signal_name(self) -> str | None:
+        return self.handler.signal_name
+
+    def __enter__(self):
+        self.handler.__enter__()
+        self._current = self._previous = None
+        return self
+
+    def __exit__(self, *exc):
+        return self.handler.__exit__(*exc)
+
+    def vote(self):
+        return self._values[self.handler.requested]  # 1 on a rank that got a signal
+
+    def record(self, reduced_vote):
+        self._current = Vote(reduced_vote)
+
+    def agreed(self) -> bool:
+        if self.num_processes == 1:
+            return self.handler.requested
+        vote, self._previous = self._previous, self._current
+        return vote is not None and vote.agreed()
+
+
 # ----------------------------------------------------------------------------------------------- dead or hung peer
 def make_diagnostic_group(accelerator):
     """A separate gloo group used only after a collective failed, to find which rank stopped answering."""
@@ -192,50 +235,3 @@ def describe_peer_failure(accelerator, group, error: BaseException, step: int, t
         f"(no answer within --ddp_timeout={timeout_s} s). The whole job stops; resume with "
         "--resume_from_checkpoint latest."
     )
-
-
-# --------------------------------------------------------------------------------------------- test fault injection
-class TestFaults:
-    """Faults for the tests, from ACCEL_TRAINER_TEST_FAULTS="key=value,...". Keys:
-
-    step_delay=S         sleep S seconds after every update (slows a run so a test can kill it mid-way)
-    save_delay=S         sleep S seconds inside save_checkpoint, before the manifest/rename (a kill lands there)
-    exit_at=R:N          rank R exits with status 3 after update N, on the first elastic attempt only
-    hang_at=R:N          rank R stops making progress after update N (sleeps; SIGTERM ends it at once)
-    """
-
-    __test__ = False  # not a pytest class
-
-    def __init__(self, spec: str):
-        self.step_delay = self.save_delay = 0.0
-        self.exit_at = self.hang_at = None
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            key, _, value = item.partition("=")
-            if key in ("step_delay", "save_delay"):
-                setattr(self, key, float(value))
-            elif key in ("exit_at", "hang_at"):
-                r, _, n = value.partition(":")
-                setattr(self, key, (int(r), int(n)))
-            else:
-                raise ValueError(f"ACCEL_TRAINER_TEST_FAULTS: unknown key {key!r}")
-
-    @classmethod
-    def from_env(cls) -> TestFaults | None:
-        spec = os.environ.get("ACCEL_TRAINER_TEST_FAULTS")
-        return cls(spec) if spec else None
-
-    def after_update(self, rank: int, step: int):
-        if self.step_delay:
-            time.sleep(self.step_delay)
-        if self.exit_at == (rank, step) and restart_count() == 0:
-            print(f"[test fault] rank {rank} exits with status 3 after step {step}", file=sys.stderr, flush=True)
-            os._exit(3)
-        if self.hang_at == (rank, step):
-            print(f"[test fault] rank {rank} hangs after step {step}", file=sys.stderr, flush=True)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            while True:
-                time.sleep(1)
-
-    def during_save(self, folder: str):
-        if self.save_delay:
-            time.sleep(self.save_delay)

@@ -38,21 +38,37 @@ class F1(evaluate.Metric):
         return _info("F1 score (binary by default; macro/micro/weighted averages for multi-class).", "int64")
 
     def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
+        # sklearn's f1_score: per class, counts of true positives, predicted and true samples, each sample
+        # counted with its sample_weight (1 without). F1 = 2 tp / (predicted + true); 0 where that is 0/0.
         p, r = np.asarray(predictions), np.asarray(references)
+        w = np.ones(len(p)) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+        if w.shape != p.shape:
+            raise ValueError(f"f1: sample_weight has {w.size} values for {p.size} predictions.")
         if average == "binary":
-            return {"f1": _f1(p == pos_label, r == pos_label)}
-        classes = np.unique(np.concatenate([p, r])) if labels is None else np.asarray(labels)
-        if average == "micro":  # for single-label multi-class this equals accuracy
-            return {"f1": float((p == r).mean())}
-        scores = np.array([_f1(p == c, r == c) for c in classes])
+            classes = np.asarray([pos_label])
+        elif labels is not None:
+            classes = np.asarray(labels)
+        else:
+            classes = np.unique(np.concatenate([p, r]))
+        tp = np.array([w[(p == c) & (r == c)].sum() for c in classes])
+        pred = np.array([w[p == c].sum() for c in classes])
+        true = np.array([w[r == c].sum() for c in classes])
+        if average == "micro":  # pooled counts over the classes (all classes: the weighted accuracy)
+            return {"f1": _ratio(2 * tp.sum(), pred.sum() + true.sum())}
+        scores = np.array([_ratio(2 * t, d) for t, d in zip(tp, pred + true)])
+        if average == "binary":
+            return {"f1": float(scores[0])}
         if average == "macro":
             return {"f1": float(scores.mean())}
-        if average == "weighted":
-            support = np.array([(r == c).sum() for c in classes], dtype=float)
-            return {"f1": float((scores * support).sum() / support.sum())}
+        if average == "weighted":  # by each class's (weighted) number of true samples
+            return {"f1": _ratio((scores * true).sum(), true.sum())}
         if average is None:
             return {"f1": scores.tolist()}
         raise ValueError(f"f1: unknown average {average!r}")
+
+
+def _ratio(num: float, denom: float) -> float:
+    return float(num / denom) if denom else 0.0
 
 
 def _f1(pred: np.ndarray, ref: np.ndarray) -> float:

@@ -1,11 +1,15 @@
 """The recipe seam: a recipe is a plain object (usually a module) with a few duck-typed functions.
 
-See docs/architecture.md for the contract. No subclassing: `Recipe.from_module(module)` collects the
-functions a recipe module defines; in a notebook, build a `Recipe(...)` directly from functions.
+Every builder gets one argument, a read-only `RecipeContext`: the recipe's arguments, the training arguments,
+the world size and (once it exists) the accelerator and the run length. No recipe reads WORLD_SIZE or builds a
+`PartialState()` of its own, and no recipe keeps state in module globals: what `collate` needs (a tokenizer),
+`build_data` closes over and returns with the data. The contract is in docs/architecture.md; `recipes/regression.py`
+shows every hook.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -15,21 +19,70 @@ from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any
 
+# The named events a recipe (or a notebook, a bench, a test) can attach to; see accel_trainer/events.py.
+EVENT_HOOKS = (
+    "on_fit_start",
+    "on_update_end",
+    "on_checkpoint_staged",
+    "on_checkpoint_written",
+    "on_evaluate_end",
+    "on_fit_end",
+)
+
+
+@dataclass(frozen=True)
+class RecipeContext:
+    """What a recipe's builders know about the run. Frozen: a builder reads it, it cannot re-point it.
+
+    `args` and `targs` are the resolved arguments; only `configure` may change their fields (presets).
+    `accelerator` is None in `configure` (it is built from the resolved arguments); `num_training_steps` (optimizer
+    updates of the whole run) is None until the data is built, i.e. known in build_optimizer/build_scheduler.
+    """
+
+    args: Any  # the recipe's own Args dataclass instance, or None
+    targs: Any  # TrainingArguments
+    world_size: int  # processes in the run (the launcher's world; 1 in a notebook)
+    process_index: int = 0
+    accelerator: Any = None
+    num_training_steps: int | None = None
+    given: frozenset = frozenset()  # the fields the user set (flags, arguments file, keyword arguments)
+
+    @property
+    def device(self):
+        return self.accelerator.device if self.accelerator is not None else None
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def global_batch_size(self) -> int:
+        t = self.targs
+        return t.per_device_train_batch_size * t.gradient_accumulation_steps * self.world_size
+
+    def replace(self, **changes) -> RecipeContext:
+        return dataclasses.replace(self, **changes)
+
 
 @dataclass
 class Recipe:
-    build_model: Callable[..., Any]  # (args, targs) -> nn.Module
-    build_data: Callable[..., dict]  # (args, targs, accelerator) -> {"train": ..., "eval": ...}
+    build_model: Callable[..., Any]  # (ctx) -> nn.Module
+    build_data: Callable[..., dict]  # (ctx) -> {"train", "eval"?, "collate"?, "loader"?}
     loss: Callable[..., Any]  # (model, batch) -> (mean loss, n_items)
     Args: type | None = None  # the recipe's own dataclass of command-line fields
-    collate: Callable | None = None  # (examples) -> batch, for Dataset data
-    build_optimizer: Callable | None = None  # (model, args, targs) -> Optimizer
-    build_scheduler: Callable | None = None  # (optimizer, num_training_steps, args, targs) -> LR scheduler
+    build_optimizer: Callable | None = None  # (model, ctx) -> Optimizer
+    build_scheduler: Callable | None = None  # (optimizer, ctx) -> LR scheduler; ctx.num_training_steps is set
     eval_step: Callable | None = None  # (model, batch) -> {"loss", "n_items", "predictions", "references"}
-    build_metrics: Callable | None = None  # (args) -> {name: evaluate.EvaluationModule}
-    on_evaluate: Callable | None = None  # (trainer, metrics, final) -> dict | None: extra metrics
+    build_metrics: Callable | None = None  # (ctx) -> {name: evaluate.EvaluationModule}
     defaults: dict | None = None  # the recipe's own defaults for TrainingArguments fields
-    configure: Callable | None = None  # (args, targs, given) -> None: adjust arguments after parsing (presets)
+    configure: Callable | None = None  # (ctx) -> None: adjust ctx.args/ctx.targs after parsing (presets)
+    # Events (accel_trainer/events.py): (trainer, ...) -> None; on_evaluate_end may return extra metrics.
+    on_fit_start: Callable | None = None
+    on_update_end: Callable | None = None
+    on_checkpoint_staged: Callable | None = None
+    on_checkpoint_written: Callable | None = None
+    on_evaluate_end: Callable | None = None
+    on_fit_end: Callable | None = None
     name: str = "recipe"
 
     @classmethod
@@ -38,9 +91,11 @@ class Recipe:
         if missing:
             raise TypeError(
                 f"Recipe {getattr(module, '__name__', module)!r} lacks {', '.join(missing)}: a recipe "
-                "defines build_model(args, targs), build_data(args, targs, accelerator) and "
-                "loss(model, batch) -> (loss, n_items). See docs/architecture.md."
+                "defines build_model(ctx), build_data(ctx) and loss(model, batch) -> (loss, n_items). "
+                "See docs/architecture.md."
             )
+        if callable(getattr(module, "on_evaluate", None)):  # the 0.1 name of on_evaluate_end: say so, don't ignore
+            raise TypeError(f"Recipe {getattr(module, '__name__', module)!r}: rename on_evaluate to on_evaluate_end.")
         kw = {f.name: getattr(module, f.name) for f in fields(cls) if hasattr(module, f.name)}
         if "name" not in kw:
             kw["name"] = getattr(module, "__name__", "recipe").rsplit(".", 1)[-1]
@@ -56,7 +111,7 @@ def load_recipe(spec: Any) -> Recipe:
     if isinstance(spec, str):
         if spec.endswith(".py") or os.sep in spec:
             if not os.path.isfile(spec):
-                raise FileNotFoundError(f"Recipe file {spec} does not exist.")
+                raise FileNotFoundError(f"Recipe file {spec} does not exist: pass the path of a recipe .py file.")
             name = os.path.splitext(os.path.basename(spec))[0]
             mod_spec = importlib.util.spec_from_file_location(f"accel_trainer_recipe_{name}", spec)
             module = importlib.util.module_from_spec(mod_spec)

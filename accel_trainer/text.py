@@ -21,7 +21,7 @@ __all__ = [
     "load_pretrained",
     "load_text_dataset",
     "LengthGroupedBatches",
-    "length_grouped_train",
+    "length_grouped_loader",
 ]
 
 
@@ -172,12 +172,21 @@ class LengthGroupedBatches:
     """
 
     def __init__(
-        self, dataset, lengths, batch_size: int, collate, accelerator, seed: int = 0, megabatch_mult: int = 50
+        self,
+        dataset,
+        lengths,
+        batch_size: int,
+        collate,
+        accelerator,
+        seed: int = 0,
+        megabatch_mult: int = 50,
+        drop_last: bool = False,
     ):
         if len(lengths) != len(dataset):
             raise ValueError(f"{len(lengths)} lengths for {len(dataset)} examples")
         self.dataset, self.lengths, self.collate = dataset, list(lengths), collate
         self.batch_size, self.seed, self.megabatch_mult = batch_size, seed, megabatch_mult
+        self.drop_last = drop_last  # --dataloader_drop_last: no incomplete global batch at the end of an epoch
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.device = accelerator.device
         self.epoch = 0
@@ -200,7 +209,7 @@ class LengthGroupedBatches:
         tail = [j for b in batches if len(b) < size for j in b]
         order = torch.randperm(len(full), generator=g).tolist()
         out = [full[i] for i in order]
-        if len(tail) >= self.world:
+        if len(tail) >= self.world and not self.drop_last:
             out.append(sorted(tail, key=lambda j: self.lengths[j], reverse=True))
         return out
 
@@ -212,7 +221,7 @@ class LengthGroupedBatches:
     def __len__(self) -> int:
         # mega-batches are whole multiples of the global batch, so only the very last global batch is partial
         size = self.batch_size * self.world
-        return len(self.lengths) // size + (len(self.lengths) % size >= self.world)
+        return len(self.lengths) // size + (len(self.lengths) % size >= self.world and not self.drop_last)
 
     def skip_first_batches(self, n: int):
         return self._iter(n)
@@ -227,12 +236,16 @@ class LengthGroupedBatches:
             yield send_to_device(self.collate([self.dataset[j] for j in self._shard(batch)]), self.device)
 
 
-def length_grouped_train(train, targs, collate, accelerator, column: str = "input_ids"):
-    """`LengthGroupedBatches` over a tokenised train split, honouring --max_train_samples (the Trainer applies
-    it only to datasets it batches itself)."""
-    if targs.max_train_samples is not None and targs.max_train_samples < len(train):
-        train = train.select(range(targs.max_train_samples))
-    lengths = [len(x) for x in train[column]]
-    return LengthGroupedBatches(
-        train, lengths, targs.per_device_train_batch_size, collate, accelerator, seed=targs.seed
-    )
+def length_grouped_loader(ctx, collate, column: str = "input_ids"):
+    """A build_data `loader` factory: LengthGroupedBatches for the train split, the Trainer's DataLoader (None)
+    for eval. The Trainer has already cut the split to --max_train_samples."""
+
+    def loader(dataset, *, batch_size, train, drop_last):
+        if not train:
+            return None
+        lengths = [len(x) for x in dataset[column]]
+        return LengthGroupedBatches(
+            dataset, lengths, batch_size, collate, ctx.accelerator, seed=ctx.targs.seed, drop_last=drop_last
+        )
+
+    return loader

@@ -1,15 +1,17 @@
 """The Trainer: one object over `accelerate.Accelerator` that owns the loop. Read it top to bottom:
 
-    __init__   build the Accelerator, check the output folder, build model/data/optimizer/scheduler, prepare
-    fit        epochs -> windows of `gradient_accumulation_steps` micro-batches -> one optimizer update each
-    _update    forward/backward each micro-batch, normalise by items, clip, step, schedule, EMA
-    evaluate   gather_for_metrics over the eval split, `evaluate` metrics, the recipe's eval hook
+    __init__   resolve the arguments, build the Accelerator, the recipe's model/data/optimizer/scheduler, prepare
+    fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
+    update     forward/backward each micro-batch, normalise by items, clip, step, schedule, EMA
+    evaluate   every eval sample once on any world size, `evaluate` metrics, the evaluate_end event
 
 Gradient accumulation is ours, not `accelerator.accumulate`: one update's gradient must be the mean over every
 item (sample or token) of the global batch, weighted by item count, on any world size. Each micro-batch's
 backward uses its summed loss (mean x n_items); at the window's end the item count of the whole global batch is
 all-reduced once and the gradients are scaled by world_size / N (DDP has averaged over ranks). With one process
 and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a plain loop).
+
+Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` functions, or `trainer.on(...)`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import json
 import math
 import os
 import shutil
+import sys
+import time
 from contextlib import nullcontext
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
 from accelerate.data_loader import DataLoaderShard
@@ -32,14 +36,16 @@ from tqdm.auto import tqdm
 from . import checkpoint as ckpt
 from . import faults
 from .accel import build_accelerator
-from .args import TrainingArguments
+from .args import TrainingArguments, resolve_args, user_values
 from .errors import UserError
-from .recipe import Recipe, load_recipe
+from .events import Events
+from .recipe import EVENT_HOOKS, Recipe, RecipeContext, load_recipe
 from .reporting import Reporter, library_versions, topology
+from .throughput import Meter, detected_peak_tflops
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
 # Accelerate's per-step wrappers (which cost ~0.6 ms/step on a small model, mostly a package lookup).
-_PLAIN = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+_PLAIN_TORCH_TYPES = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best")
 
 
@@ -47,14 +53,52 @@ class NonFiniteLossError(UserError):
     pass
 
 
-def _is_dataset(obj) -> bool:
-    return hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not hasattr(obj, "set_epoch")
+class ShortEpochError(UserError):
+    pass
 
 
-def _take(ds, n: int | None):
-    if n is None or n >= len(ds):
-        return ds
-    return ds.select(range(n)) if hasattr(ds, "select") else Subset(ds, range(n))
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint (trainer_state.json)."""
+
+    global_step: int = 0  # optimizer updates done (attempted, including fp16- and NaN-skipped ones)
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed (always a window boundary)
+    skipped_steps: int = 0  # fp16 overflow skips + non-finite skips
+    best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
+    best_step: int | None = None
+
+
+def accumulation_windows(epoch_batches, batches_per_epoch: int, accumulation: int, epoch: int = 0, start: int = 0):
+    """Yield (epoch, next_batch, window) forever: lists of `accumulation` micro-batches, aligned to the start of
+    every epoch (its last window may be shorter), beginning at batch `start` of `epoch` (a resumed run).
+    `epoch_batches(epoch, skip)` iterates one epoch from batch `skip`. `next_batch` is the position after the
+    window; it equals `batches_per_epoch` at an epoch's last window. The number of updates was computed from
+    `batches_per_epoch`, so an epoch that yields fewer batches is an error, not a silent re-run of the epoch."""
+    while True:
+        window, position = [], start
+        for batch in epoch_batches(epoch, start):
+            window.append(batch)
+            position += 1
+            if len(window) == accumulation or position == batches_per_epoch:
+                yield epoch, position, window
+                window = []
+            if position == batches_per_epoch:
+                break
+        else:
+            raise ShortEpochError(
+                f"The train loader yielded {position} batches in epoch {epoch} but its len() is {batches_per_epoch}: "
+                "the number of updates and the schedule are computed from len(). Make __len__ match what __iter__ "
+                "yields (after set_epoch)."
+            )
+        epoch, start = epoch + 1, 0
+
+
+def take(dataset, n: int | None):
+    """The first n samples (--max_train_samples / --max_eval_samples), for every kind of dataset."""
+    if n is None or n >= len(dataset):
+        return dataset
+    return dataset.select(range(n)) if hasattr(dataset, "select") else Subset(dataset, range(n))
 
 
 def default_optimizer(model, args: TrainingArguments):
@@ -82,46 +126,39 @@ def default_scheduler(optimizer, num_training_steps: int, args: TrainingArgument
 class Trainer:
     def __init__(self, recipe, args: TrainingArguments | None = None, recipe_args=None, quiet: bool = False):
         self.recipe: Recipe = load_recipe(recipe)
-        self.args = args = args if args is not None else TrainingArguments()
-        if recipe_args is None and self.recipe.Args is not None:
-            recipe_args = self.recipe.Args()
-        self.recipe_args = recipe_args
+        if args is None or not getattr(args, "_resolved", False):
+            # A notebook's TrainingArguments(...) is resolved like the same flags on the command line.
+            args, recipe_args, _ = resolve_args(self.recipe, values=user_values(args, recipe_args))
+        self.args, self.recipe_args = args, recipe_args
         if args.output_dir is None:
             args.output_dir = os.path.join("output", self.recipe.name)
 
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
+        self._scale_learning_rate()
         resume_path = self._check_output_dir()  # on every rank, before any rank writes
         acc.wait_for_everyone()
         if acc.is_main_process:
             os.makedirs(args.output_dir, exist_ok=True)
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
+        self.events = Events()
+        for hook in EVENT_HOOKS:
+            if getattr(self.recipe, hook) is not None:
+                self.events.on(hook.removeprefix("on_"), getattr(self.recipe, hook))
+        self.ctx = RecipeContext(
+            args=recipe_args,
+            targs=args,
+            world_size=acc.num_processes,
+            process_index=acc.process_index,
+            accelerator=acc,
+            given=getattr(args, "_user_fields", frozenset()),
+        )
 
-        # Model, data, optimisation: the recipe's, or our defaults.
+        # Model and data: the recipe's. Loaders first: the number of batches per epoch on this rank (after
+        # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
         set_seed(args.seed)
-        model = self.recipe.build_model(recipe_args, args)
-        if args.gradient_checkpointing:
-            # transformers >= 5 names it activation_checkpointing_enable (the old name warns); 4.x has only the old.
-            enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-                model, "gradient_checkpointing_enable", None
-            )
-            if enable is None:
-                raise UserError(
-                    "--gradient_checkpointing needs a transformers model (activation_checkpointing_enable)"
-                    "; for another model, wrap its blocks in torch.utils.checkpoint in build_model."
-                )
-            enable()
-        if args.sync_batchnorm and acc.num_processes > 1:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        data = self.recipe.build_data(recipe_args, args, acc)
-        if "train" not in data:
-            raise ValueError(f"Recipe {self.recipe.name}: build_data must return a dict with a 'train' entry.")
-        # Data loaders first: the number of batches per epoch on this rank (after Accelerate shards them) sets the
-        # number of updates, which the scheduler needs before it is built.
-        train = self._loader(data["train"], train=True)
-        evald = self._loader(data["eval"], train=False) if data.get("eval") is not None else None
-        self.train_loader = acc.prepare(train) if isinstance(train, DataLoader) else train
-        self.eval_loader = acc.prepare(evald) if isinstance(evald, DataLoader) else evald
+        model = self._build_model()
+        self.train_loader, self.eval_loader = self._build_loaders(self.recipe.build_data(self.ctx))
         self.micro_batches_per_epoch = len(self.train_loader)
         if self.micro_batches_per_epoch == 0:
             raise UserError(
@@ -132,15 +169,14 @@ class Trainer:
         self.total_steps = (
             args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.updates_per_epoch)
         )
+        self.ctx = self.ctx.replace(num_training_steps=self.total_steps)
 
-        optimizer = (
-            self.recipe.build_optimizer(model, recipe_args, args)
-            if self.recipe.build_optimizer
-            else default_optimizer(model, args)
-        )
+        # Optimisation: the recipe's, or our defaults.
+        r = self.recipe
+        optimizer = r.build_optimizer(model, self.ctx) if r.build_optimizer else default_optimizer(model, args)
         scheduler = (
-            self.recipe.build_scheduler(optimizer, self.total_steps, recipe_args, args)
-            if self.recipe.build_scheduler
+            r.build_scheduler(optimizer, self.ctx)
+            if r.build_scheduler
             else default_scheduler(optimizer, self.total_steps, args)
         )
         self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
@@ -153,26 +189,25 @@ class Trainer:
         )
 
         # The fast path: call torch's optimizer, scaler and backward directly where Accelerate adds nothing.
-        self._plain = acc.distributed_type in _PLAIN
+        self._plain_torch = acc.distributed_type in _PLAIN_TORCH_TYPES
         self._inner_opt = self.optimizer.optimizer
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._weighted = acc.num_processes > 1 or args.gradient_accumulation_steps > 1
 
-        self.global_step = 0  # optimizer updates done (attempted, including fp16-skipped ones)
-        self.epoch = 0
-        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
-        self.skipped_steps = 0  # fp16 overflow skips + non-finite skips
-        self.best_metric = self.best_step = None  # --metric_for_best_model: the best evaluation so far
-        self._log_window: list = []  # (loss tensor, n_items) per update since the last log
-        self._train_iter = None
-        # Faults (faults.py): preemption signals set a flag that fit() checks at update boundaries; with several
-        # processes the ranks agree through the update's all-reduce. A side gloo group names a dead/hung rank.
-        self._preemption = faults.PreemptionHandler()
-        self._vote_values = (torch.zeros((), device=acc.device), torch.ones((), device=acc.device))
-        self._stop_vote = self._prev_vote = None
+        self.progress = Progress()
+        self._log_window: list = []  # (loss tensor, step) per update since the last log
+        self._grad_norm = None  # of the last update (None: not clipped, or the update was skipped)
+        self._train_iter = None  # fetch_batch()'s position
         self._saved_step = None
+        # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
+        self.preemption = faults.Preemption(acc.device, acc.num_processes)
         self._diag_group = faults.make_diagnostic_group(acc)
-        self._test_faults = faults.TestFaults.from_env()  # None unless a test injects faults
+        self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
+        if args.profile_steps:
+            from .profiling import UpdateProfiler
+
+            self.profiler = UpdateProfiler(self)
+            self.profiler.attach(self.events)
 
         self._write_run_config()
         if args.trackers:
@@ -180,7 +215,38 @@ class Trainer:
         if resume_path:
             self._resume(resume_path)
 
+    @classmethod
+    def from_recipe(cls, recipe, quiet: bool = False, **values) -> Trainer:
+        """A Trainer from a recipe and the values you would give as flags: `Trainer.from_recipe(regression,
+        output_dir="out", max_steps=200, hidden_size=64)` is `python recipes/regression.py --output_dir out
+        --max_steps 200 --hidden_size 64`, the same resolved arguments (recipe defaults, presets, then yours)."""
+        recipe = load_recipe(recipe)
+        args, recipe_args, _ = resolve_args(recipe, values=values)
+        return cls(recipe, args, recipe_args, quiet=quiet)
+
+    def on(self, event: str, handler):
+        """Attach a handler to a named event (events.py): update_end, checkpoint_staged, checkpoint_written,
+        evaluate_end, fit_end."""
+        return self.events.on(event, handler)
+
+    @property
+    def global_step(self) -> int:
+        return self.progress.global_step
+
+    @property
+    def epoch(self) -> int:
+        return self.progress.epoch
+
     # ---------------------------------------------------------------------------------------------------- set-up
+    def _scale_learning_rate(self):
+        """--lr_scaling: the learning rate every builder sees is scaled by this world's global batch. Idempotent:
+        the base value is kept on the arguments, so arguments reused for another Trainer scale from the base."""
+        args = self.args
+        base = getattr(args, "_base_learning_rate", args.learning_rate)
+        object.__setattr__(args, "_base_learning_rate", base)
+        args.learning_rate = base
+        args.learning_rate = args.scaled_learning_rate(self.accelerator.num_processes)
+
     def _check_world(self):
         # The world this process joined must be the one the launcher/config describe (topology.py): it catches
         # every process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
@@ -213,30 +279,69 @@ class Trainer:
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return None
 
-    def _loader(self, data, train: bool):
-        """A DataLoader for a map-style dataset; a recipe's own batch loader is used as it is."""
-        args = self.args
-        if not _is_dataset(data):
-            for attr in ("__iter__", "__len__", "set_epoch"):
-                if not hasattr(data, attr):
-                    raise TypeError(
-                        f"Recipe data {type(data).__name__} is neither a map-style Dataset nor a batch "
-                        f"loader (lacks {attr}); see docs/architecture.md."
-                    )
-            return data
-        data = _take(data, args.max_train_samples if train else args.max_eval_samples)
-        return DataLoader(
-            data,
-            shuffle=train,
-            collate_fn=self.recipe.collate,
-            num_workers=args.dataloader_num_workers,
-            batch_size=args.per_device_train_batch_size if train else args.per_device_eval_batch_size,
-            drop_last=args.dataloader_drop_last if train else False,
-            pin_memory=torch.cuda.is_available(),
-            # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a resumed
-            # run would see other random numbers than the uninterrupted one.
-            generator=torch.Generator().manual_seed(args.seed),
-        )
+    def _build_model(self) -> torch.nn.Module:
+        model = self.recipe.build_model(self.ctx)
+        if self.args.gradient_checkpointing:
+            # transformers >= 5 names it activation_checkpointing_enable (the old name warns); 4.x has only the old.
+            enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+                model, "gradient_checkpointing_enable", None
+            )
+            if enable is None:
+                raise UserError(
+                    "--gradient_checkpointing needs a transformers model (activation_checkpointing_enable)"
+                    "; for another model, wrap its blocks in torch.utils.checkpoint in build_model."
+                )
+            enable()
+        if self.args.sync_batchnorm and self.accelerator.num_processes > 1:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return model
+
+    def _build_loaders(self, data: dict):
+        """build_data's {"train", "eval"?, "collate"?, "loader"?} -> (train loader, eval loader or None).
+        Datasets are cut to --max_train_samples/--max_eval_samples here, for every recipe; then either the recipe's
+        `loader(dataset, batch_size=, train=, drop_last=)` batches them (a batch loader, or None for ours) or
+        a DataLoader that Accelerate shards over the processes."""
+        if not isinstance(data, dict) or "train" not in data:
+            raise TypeError(f"Recipe {self.recipe.name}: build_data must return a dict with a 'train' entry.")
+        unknown = set(data) - {"train", "eval", "collate", "loader"}
+        if unknown:
+            raise TypeError(f"Recipe {self.recipe.name}: build_data returned unknown keys {sorted(unknown)}.")
+        args, make = self.args, data.get("loader")
+
+        def loader(dataset, train: bool):
+            if dataset is None:
+                return None
+            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+                raise TypeError(
+                    f"Recipe {self.recipe.name}: build_data's {'train' if train else 'eval'} entry is a "
+                    f"{type(dataset).__name__}, not a map-style dataset (__getitem__, __len__). Return the dataset, "
+                    "and a 'loader' factory if the recipe batches it itself (docs/architecture.md)."
+                )
+            dataset = take(dataset, args.max_train_samples if train else args.max_eval_samples)
+            batch_size = args.per_device_train_batch_size if train else args.per_device_eval_batch_size
+            drop_last = args.dataloader_drop_last if train else False
+            batches = make(dataset, batch_size=batch_size, train=train, drop_last=drop_last) if make else None
+            if batches is not None:
+                for attr in ("__iter__", "__len__", "set_epoch"):
+                    if not hasattr(batches, attr):
+                        raise TypeError(f"Recipe {self.recipe.name}: its loader lacks {attr} (docs/architecture.md).")
+                return batches
+            return self.accelerator.prepare(
+                DataLoader(
+                    dataset,
+                    shuffle=train,
+                    collate_fn=data.get("collate"),
+                    num_workers=args.dataloader_num_workers,
+                    batch_size=batch_size,
+                    drop_last=drop_last,
+                    pin_memory=torch.cuda.is_available(),
+                    # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a
+                    # resumed run would see other random numbers than the uninterrupted one.
+                    generator=torch.Generator().manual_seed(args.seed),
+                )
+            )
+
+        return loader(data["train"], True), loader(data.get("eval"), False)
 
     def _flat_config(self) -> dict:
         cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool))}
@@ -251,22 +356,23 @@ class Trainer:
         return cfg
 
     def _write_run_config(self):
-        world = topology(self.accelerator)
         self.reporter.write_run_config(
             os.path.join(self.args.output_dir, "run_config.json"),
             {
                 "recipe": self.recipe.name,
                 "num_processes": self.accelerator.num_processes,
-                "global_train_batch_size": (
-                    self.args.per_device_train_batch_size
-                    * self.args.gradient_accumulation_steps
-                    * self.accelerator.num_processes
-                ),
+                "global_train_batch_size": self.ctx.global_batch_size,
                 "total_steps": self.total_steps,
                 "updates_per_epoch": self.updates_per_epoch,
+                "learning_rate": {
+                    "used": self.args.learning_rate,
+                    "base": self.args._base_learning_rate,
+                    "scaling": self.args.lr_scaling,
+                    "base_batch_size": self.args.lr_base_batch_size,
+                },
                 "args": self.args.to_dict(),
                 "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
-                "topology": world,
+                "topology": topology(self.accelerator),
                 "versions": library_versions(),
             },
         )
@@ -274,65 +380,70 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------- training
     def fit(self) -> dict:
         """Train to `total_steps` optimizer updates, evaluating, logging and checkpointing on the way."""
-        args, acc = self.args, self.accelerator
-        G, L = args.gradient_accumulation_steps, self.micro_batches_per_epoch
-        progress = tqdm(
-            total=self.total_steps,
-            initial=self.global_step,
-            dynamic_ncols=True,
-            desc="train",
-            disable=args.disable_tqdm or not acc.is_main_process,
-        )
+        args, p = self.args, self.progress
+        bar = self._progress_bar()
+        metrics: dict = {}
         self.model.train()
-        last_eval: dict = {}
-        with self._preemption, faults.peer_failures(self):
-            while self.global_step < self.total_steps:
-                batches = self._epoch_batches(self.epoch, self.batch_in_epoch)
-                window = []
-                for batch in batches:
-                    window.append(batch)
-                    # Windows are aligned to the epoch start; the last one of an epoch may be shorter.
-                    if len(window) < G and self.batch_in_epoch + len(window) < L:
-                        continue
-                    self.batch_in_epoch += len(window)
-                    self._update(window)
-                    if self._test_faults is not None:
-                        self._test_faults.after_update(acc.process_index, self.global_step)
-                    window = []
-                    progress.update(1)
-                    epoch_done = self.batch_in_epoch >= L
-                    if epoch_done:
-                        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-                    step, last = self.global_step, self.global_step >= self.total_steps
-                    if step % args.logging_steps == 0 or last:
-                        self._log(progress)
-                    if (
-                        self.eval_loader is not None
-                        and not last
-                        and ((args.eval_steps and step % args.eval_steps == 0) or (not args.eval_steps and epoch_done))
-                    ):
-                        last_eval = self.evaluate()
-                    if args.save_steps and step % args.save_steps == 0 and not last:
-                        self.save_checkpoint()
-                    if not last and self._preemption_agreed():
-                        self._preempt(progress)
-                    if last or epoch_done:
-                        break
-        progress.close()
-        if self.eval_loader is not None or self.recipe.on_evaluate:
-            last_eval = self.evaluate(final=True)
+        self.meter.restart()
+        self.events.fire("fit_start", self)
+        with self.preemption, faults.peer_failures(self):
+            for window in self.windows():  # this rank's micro-batches of one optimizer update
+                self.update(window)
+                self.events.fire("update_end", self)
+                bar.update(1)
+                step, last = p.global_step, p.global_step >= self.total_steps
+                epoch_end = p.batch_in_epoch == 0
+                if step % args.logging_steps == 0 or last:
+                    self.log(bar)
+                if (
+                    not last
+                    and self.eval_loader is not None
+                    and (step % args.eval_steps == 0 if args.eval_steps else epoch_end)
+                ):
+                    metrics = self.evaluate()
+                if not last and args.save_steps and step % args.save_steps == 0:
+                    self.save_checkpoint()
+                if not last and self.preemption.agreed():  # a signal reached some rank by the previous update
+                    self._preempt(bar)
+                if last:
+                    break
+        bar.close()
+        if self.eval_loader is not None or self.events.has("evaluate_end"):
+            metrics = self.evaluate(final=True)
         if args.save_steps:
             self.save_checkpoint()
         self.save_model()
-        acc.end_training()
-        return last_eval
+        self.events.fire("fit_end", self, metrics)
+        self.accelerator.end_training()
+        return metrics
+
+    def _progress_bar(self):
+        # Not on a terminal (a log file, a SLURM job), a bar would flood the log: the plain line per log row stays.
+        quiet = self.args.disable_tqdm or not self.accelerator.is_main_process or not sys.stderr.isatty()
+        return tqdm(total=self.total_steps, initial=self.global_step, dynamic_ncols=True, desc="train", disable=quiet)
+
+    def windows(self):
+        """Accumulation windows from the current position on; the position moves as each window is handed out,
+        so a checkpoint written after the update of a window resumes right after it. The time spent here, between
+        handing out two windows, is the time spent waiting for data."""
+        p, L = self.progress, self.micro_batches_per_epoch
+        if p.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
+            return
+        asked = time.perf_counter()
+        for epoch, position, window in accumulation_windows(
+            self._epoch_batches, L, self.args.gradient_accumulation_steps, p.epoch, p.batch_in_epoch
+        ):
+            p.epoch, p.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
+            self.meter.waited(time.perf_counter() - asked)
+            yield window
+            asked = time.perf_counter()
 
     def _epoch_batches(self, epoch: int, skip: int):
         loader = self.train_loader
         loader.set_epoch(epoch)  # the order is a function of (seed, epoch) only
         if skip == 0:
             return iter(loader)
-        if isinstance(loader, DataLoaderShard) or isinstance(loader, DataLoader):
+        if isinstance(loader, DataLoader):  # DataLoaderShard is one
             return iter(self.accelerator.skip_first_batches(loader, skip))
         if hasattr(loader, "skip_first_batches"):
             return iter(loader.skip_first_batches(skip))
@@ -341,68 +452,72 @@ class Trainer:
             next(it)
         return it
 
-    def _backward(self, loss):
-        if not self._plain:
-            self.accelerator.backward(loss)
-        elif self.accelerator.scaler is not None:
-            self.accelerator.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-
-    def _update(self, window: list, schedule: bool = True):
-        """One optimizer update over a window of micro-batches (this rank's share of the global batch)."""
-        acc, args = self.accelerator, self.args
+    def update(self, window: list, schedule: bool = True):
+        """One optimizer update over a window of micro-batches (this rank's share of the global batch). Returns
+        the mean loss over every item of the global batch (a tensor; no host sync)."""
+        acc, args, p = self.accelerator, self.args, self.progress
         loss_sum, n_sum = 0.0, 0
-        for i, batch in enumerate(window):
-            sync = i == len(window) - 1
-            with nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(self.model):
-                loss, n = self.recipe.loss(self.model, batch)
-                self._backward(loss * n if self._weighted else loss)
-            loss_sum = loss_sum + loss.detach() * n
-            n_sum = n_sum + n
-
+        flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
+        with flops or nullcontext():
+            for i, batch in enumerate(window):
+                sync = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
+                with nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(self.model):
+                    loss, n = self.recipe.loss(self.model, batch)
+                    self._backward(loss * n if self._weighted else loss)
+                loss_sum = loss_sum + loss.detach() * n
+                n_sum = n_sum + n
+        if flops is not None:
+            self.meter.counted(flops)
         if self._weighted:
             totals = torch.stack(
                 [
                     torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
                     torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                    self._vote_values[self._preemption.requested],
+                    self.preemption.vote(),  # the preemption vote rides on this all-reduce: no extra collective
                 ]
-            )  # 1 on a rank that got SIGTERM
+            )
             if acc.num_processes > 1:
                 totals = acc.reduce(totals, reduction="sum")
-                self._stop_vote = faults.Vote(totals[2])  # the preemption vote rides on this all-reduce
+                self.preemption.record(totals[2])
             loss_sum, n_sum = totals[0], totals[1]
-            grads = [p.grad for p in self._params if p.grad is not None]
             # DDP averaged the per-rank sums over ranks; the mean over all N items of the global batch is that
             # times world_size / N. clamp: a window with no items (all masked) leaves the gradients at zero.
+            grads = [q.grad for q in self._params if q.grad is not None]
             torch._foreach_mul_(grads, acc.num_processes / n_sum.clamp(min=1))
-        loss_mean = loss_sum / n_sum
+        loss_mean = (loss_sum / n_sum).detach()
+        self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
+        self._grad_norm = None
 
         if args.nan_policy == "skip" and not torch.isfinite(loss_mean):
-            self._inner_opt.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-            self.global_step += 1
-            return
-
-        if args.max_grad_norm > 0:
-            self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
-        stepped = self._optimizer_step()
+            stepped = False  # the update is recorded (logged as skipped) but changes nothing
+        else:
+            if args.max_grad_norm > 0:
+                self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
+            stepped = self._optimizer_step()
         if stepped:
             if schedule:
                 self.scheduler.step()
             if self.ema is not None:
                 self.ema.update_parameters(acc.unwrap_model(self.model))
         else:
-            self.skipped_steps += 1
+            p.skipped_steps += 1
         self._inner_opt.zero_grad(set_to_none=True)
-        self.global_step += 1
-        self._log_window.append((loss_mean.detach() if torch.is_tensor(loss_mean) else loss_mean, self.global_step))
+        p.global_step += 1
+        self._log_window.append((loss_mean, p.global_step))
+        return loss_mean
+
+    def _backward(self, loss):
+        if not self._plain_torch:
+            self.accelerator.backward(loss)
+        elif self.accelerator.scaler is not None:
+            self.accelerator.scaler.scale(loss).backward()
+        else:
+            loss.backward()
 
     def _optimizer_step(self) -> bool:
         """Step the optimizer; False when fp16 loss scaling skipped the step (an overflow)."""
         scaler = self.accelerator.scaler
-        if not self._plain:
+        if not self._plain_torch:
             self.optimizer.step()
             return not self.optimizer.step_was_skipped
         if scaler is None:
@@ -413,10 +528,11 @@ class Trainer:
         scaler.update()
         return scaler.get_scale() >= scale  # the scale only drops when an inf/nan gradient skipped the step
 
-    def _log(self, progress=None):
+    def log(self, progress_bar=None) -> dict | None:
+        """One metrics.jsonl row for the updates since the last log (the only host sync of the loop)."""
         if not self._log_window:
-            return
-        losses = torch.stack([torch.as_tensor(loss, dtype=torch.float32) for loss, _ in self._log_window]).float().cpu()
+            return None
+        losses = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v, _ in self._log_window]).float().cpu()
         finite = torch.isfinite(losses)
         if not finite.all() and self.args.nan_policy == "stop":
             bad_step = self._log_window[int((~finite).nonzero()[0])][1]
@@ -428,17 +544,20 @@ class Trainer:
             "loss": losses[finite].mean().item() if finite.any() else float("nan"),
             "learning_rate": self.scheduler.get_last_lr()[0],
         }
-        if getattr(self, "_grad_norm", None) is not None:
+        if self._grad_norm is not None:
             metrics["grad_norm"] = float(self._grad_norm)
         if self.accelerator.scaler is not None:
             metrics["loss_scale"] = self.accelerator.scaler.get_scale()
-        if self.skipped_steps or self.accelerator.scaler is not None or self.args.nan_policy == "skip":
-            metrics["skipped_steps"] = self.skipped_steps
+        if self.progress.skipped_steps or self.accelerator.scaler is not None or self.args.nan_policy == "skip":
+            metrics["skipped_steps"] = self.progress.skipped_steps
+        metrics.update(self.meter.row())  # throughput, step time, data wait, memory (mfu): a gather on N ranks
         self._log_window = []
-        return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress)
+        if progress_bar is not None and not progress_bar.disable:
+            progress_bar.set_postfix(loss=f"{metrics['loss']:.4g}", samples_s=f"{metrics['samples_per_second']:.4g}")
+        return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress_bar)
 
     def _epoch_float(self) -> float:
-        return self.epoch + self.batch_in_epoch / self.micro_batches_per_epoch
+        return self.progress.epoch + self.progress.batch_in_epoch / self.micro_batches_per_epoch
 
     # ------------------------------------------------------------------------------------------------ evaluation
     def _eval_outputs(self, model, batch) -> dict:
@@ -457,7 +576,7 @@ class Trainer:
 
     def gather_eval(self, out: dict) -> dict:
         """Per-sample eval tensors of this rank's batch -> those of every rank, each sample of the split once.
-        Also for recipes' eval hooks (e.g. test-time augmentation) that loop over `trainer.eval_loader`."""
+        Also for evaluate_end handlers (e.g. test-time augmentation) that loop over `trainer.eval_loader`."""
         acc = self.accelerator
         if isinstance(self.eval_loader, DataLoaderShard):
             return acc.gather_for_metrics(out)  # drops the samples Accelerate repeated to even out the ranks
@@ -471,12 +590,16 @@ class Trainer:
         valid = gathered.pop("_valid").bool()
         return {k: v[valid] for k, v in gathered.items()}
 
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The weights evaluation and the final save use: the EMA when --ema_decay is on."""
+        return self.ema.module if self.ema is not None else self.model
+
     @torch.no_grad()
     def evaluate(self, final: bool = False) -> dict:
         """Loss and metrics over the whole eval split; every sample counted once on any world size."""
-        acc = self.accelerator
-        model = self.ema.module if self.ema is not None else self.model
-        metrics = self.recipe.build_metrics(self.recipe_args) if self.recipe.build_metrics else {}
+        acc, model = self.accelerator, self.eval_model
+        metrics = self.recipe.build_metrics(self.ctx) if self.recipe.build_metrics else {}
         results: dict = {}
         if self.eval_loader is not None:
             was_training = model.training
@@ -484,7 +607,8 @@ class Trainer:
             loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
             n_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
             n_samples = 0
-            self.eval_loader.set_epoch(0) if hasattr(self.eval_loader, "set_epoch") else None
+            if hasattr(self.eval_loader, "set_epoch"):
+                self.eval_loader.set_epoch(0)
             for batch in self.eval_loader:
                 out = self.gather_eval(self._eval_outputs(model, batch))
                 loss_sum += out["loss"].double().sum()
@@ -498,8 +622,8 @@ class Trainer:
             for m in metrics.values():
                 results.update({f"eval_{k}": v for k, v in (m.compute() or {}).items()})
             model.train(was_training)
-        if self.recipe.on_evaluate:
-            results.update(self.recipe.on_evaluate(self, results, final) or {})
+        for extra in self.events.fire("evaluate_end", self, dict(results), final):
+            results.update(extra or {})
         if results:
             self.reporter.log(results, self.global_step, self._epoch_float())
             if self.args.metric_for_best_model:
@@ -510,7 +634,7 @@ class Trainer:
         """output_dir/best/: model.safetensors (the evaluated weights) and best.json of the best evaluation so far,
         kept apart from checkpoints (save_total_limit never deletes it). The best value is part of the checkpoint
         state, so a resumed run keeps comparing against it."""
-        name = self.args.metric_for_best_model
+        name, p = self.args.metric_for_best_model, self.progress
         key = name if name in results else f"eval_{name}"
         if key not in results:
             raise UserError(
@@ -520,10 +644,10 @@ class Trainer:
         value = float(results[key])
         greater = self.args.greater_is_better if self.args.greater_is_better is not None else not key.endswith("loss")
         if not math.isfinite(value) or (
-            self.best_metric is not None and not (value > self.best_metric if greater else value < self.best_metric)
+            p.best_metric is not None and not (value > p.best_metric if greater else value < p.best_metric)
         ):
             return
-        self.best_metric, self.best_step = value, self.global_step
+        p.best_metric, p.best_step = value, self.global_step
         best = os.path.join(self.args.output_dir, "best")
         if self.accelerator.is_main_process:
             os.makedirs(best, exist_ok=True)
@@ -536,13 +660,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state(self) -> dict:
         return {
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "skipped_steps": self.skipped_steps,
+            **asdict(self.progress),
             "num_processes": self.accelerator.num_processes,
-            "best_metric": self.best_metric,
-            "best_step": self.best_step,
             "per_device_train_batch_size": self.args.per_device_train_batch_size,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "seed": self.args.seed,
@@ -550,7 +669,7 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         if self._log_window:
-            self._log()  # also stops on a non-finite loss before anything is written over a good checkpoint
+            self.log()  # also stops on a non-finite loss before anything is written over a good checkpoint
         path = ckpt.save_checkpoint(
             self.accelerator,
             self.args.output_dir,
@@ -558,63 +677,68 @@ class Trainer:
             self.state(),
             ema=self.ema,
             save_total_limit=self.args.save_total_limit,
-            hooks=self._test_faults,
+            on_staged=lambda folder: self.events.fire("checkpoint_staged", self, folder),
         )
         self._saved_step = self.global_step
+        self.events.fire("checkpoint_written", self, path)
         return path
 
-    def _preemption_agreed(self) -> bool:
-        """True once a preemption signal reached this process (1 process: a flag, no cost) or, with several
-        processes, any rank: every rank reads the same all-reduced vote at the same update. The vote read is the
-        previous update's, whose all-reduce has finished by now: no wait on the current update's GPU work."""
-        if self.accelerator.num_processes == 1:
-            return self._preemption.requested
-        vote, self._prev_vote = self._prev_vote, self._stop_vote
-        return vote is not None and vote.agreed()
-
-    def _preempt(self, progress=None):
+    def _preempt(self, progress_bar=None):
         """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
         path = (
             os.path.join(ckpt.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
             if self._saved_step == self.global_step
             else self.save_checkpoint()
         )
-        if progress is not None:
-            progress.close()
+        if progress_bar is not None:
+            progress_bar.close()
         self.accelerator.end_training()
         self.reporter.print(
-            f"Preempted ({self._preemption.signal_name or 'signal on another rank'}): checkpoint "
+            f"Preempted ({self.preemption.signal_name or 'signal on another rank'}): checkpoint "
             f"{path} at step {self.global_step}; exiting with code {faults.EXIT_PREEMPTED}. Resume "
             "with --resume_from_checkpoint latest."
         )
         raise faults.Preempted(path, self.global_step)
 
     def _resume(self, path: str):
-        mine = self.state()
-        changed = [
-            k
-            for k in ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")
-            if path and ckpt.read_state(path).get(k) != mine[k]
-        ]
-        if changed:
-            raise ckpt.CheckpointError(
-                f"Checkpoint {path} was written with "
-                + ", ".join(f"{k}={ckpt.read_state(path)[k]}" for k in changed)
-                + " but this run has "
-                + ", ".join(f"{k}={mine[k]}" for k in changed)
-                + ". The position in the data "
-                "and the per-process random states are tied to them: resume with the same values."
-            )
+        saved = ckpt.read_state(path)
+        position = self._resumed_position(saved, path)
         state = ckpt.load_checkpoint(self.accelerator, path, self.model, ema=self.ema)
         if self.accelerator.is_main_process:
             for stale in ckpt.remove_stale_tmp(self.args.output_dir):
                 self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
-        self.global_step, self.epoch = state["global_step"], state["epoch"]
-        self.batch_in_epoch, self.skipped_steps = state["batch_in_epoch"], state["skipped_steps"]
-        self.best_metric, self.best_step = state.get("best_metric"), state.get("best_step")
+        self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
+        self.progress.batch_in_epoch = position
+        moved = "" if saved["num_processes"] == self.accelerator.num_processes else (
+            f", written by {saved['num_processes']} processes: batch {saved['batch_in_epoch']} there"
+        )  # fmt: skip
         self.reporter.print(
-            f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, batch {self.batch_in_epoch})."
+            f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, batch {position}{moved})."
         )
+
+    def _resumed_position(self, saved: dict, path: str) -> int:
+        """This rank's micro-batch position in the epoch for a checkpoint written by any world size. The order of
+        an epoch's samples is a function of (seed, epoch) only, and each global micro-batch is the next
+        per_device x processes samples of it, so the samples already seen are batch_in_epoch x per_device x
+        processes: the same samples on any world size. Exact when the global batch is unchanged; the per-rank
+        random streams are not (a rank that did not exist restarts from the seed)."""
+        args, world = self.args, self.accelerator.num_processes
+        old_micro = saved["per_device_train_batch_size"] * saved["num_processes"]
+        old_global = old_micro * saved["gradient_accumulation_steps"]
+        new_micro = args.per_device_train_batch_size * world
+        new_global = new_micro * args.gradient_accumulation_steps
+        if old_global != new_global and not args.allow_global_batch_change:
+            raise ckpt.CheckpointError(
+                f"Checkpoint {path} was written with a global batch of {old_global} (per_device_train_batch_size="
+                f"{saved['per_device_train_batch_size']} x gradient_accumulation_steps="
+                f"{saved['gradient_accumulation_steps']} x {saved['num_processes']} processes); this run's is "
+                f"{new_global}. Keep the global batch (e.g. --per_device_train_batch_size "
+                f"{old_global // (args.gradient_accumulation_steps * world) or 1} on {world} processes), or pass "
+                "--allow_global_batch_change to continue with another (not exact: see docs/fault-tolerance.md)."
+            )
+        seen = saved["batch_in_epoch"] * old_micro  # samples of this epoch already trained on
+        window = new_micro * args.gradient_accumulation_steps
+        return seen // window * args.gradient_accumulation_steps  # whole updates; exact when the batch is kept
 
     def save_model(self, path: str | None = None) -> str:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
@@ -643,11 +767,9 @@ class Trainer:
             return next(self._train_iter)
 
     def train_step(self, batch=None, schedule: bool = True) -> float:
-        """One optimizer update on one batch (fetched if not given). Returns its loss."""
+        """One optimizer update on one batch (fetched if not given). Returns its loss (NaN for a skipped one)."""
         self.model.train()
-        self._update([batch if batch is not None else self.fetch_batch()], schedule=schedule)
-        loss = self._log_window[-1][0]
-        return float(loss)
+        return float(self.update([batch if batch is not None else self.fetch_batch()], schedule=schedule))
 
     def overfit_batch(self, steps: int = 100, batch=None) -> list[float]:
         """Train repeatedly on one batch at the current learning rate (the schedule is held): the loss should go

@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import cifar  # noqa: E402
 
-from accel_trainer import Trainer, parse_args  # noqa: E402
+from accel_trainer import Trainer, resolve_args  # noqa: E402
 from accel_trainer.recipe import load_recipe  # noqa: E402
 
 
@@ -51,48 +51,41 @@ def peak_memory_mb():
 
 
 def one_run(recipe, recipe_argv, seed, target, out_root):
-    targs, rargs = parse_args(
-        recipe.Args,
-        recipe_argv
-        + [
-            "--seed",
-            str(seed),
-            "--output_dir",
-            os.path.join(out_root, f"seed{seed}"),
-            "--overwrite_output_dir",
-            "--disable_tqdm",
-        ],
-        defaults=recipe.defaults,
-    )
-    recipe.configure(rargs, targs)
+    out = os.path.join(out_root, f"seed{seed}")
+    argv = recipe_argv + ["--seed", str(seed), "--output_dir", out, "--overwrite_output_dir", "--disable_tqdm"]
+    targs, rargs, _ = resolve_args(recipe, argv)  # the same resolution as `python recipes/cifar.py ...`
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sync()
     t_wall = time.perf_counter()
     trainer = Trainer(recipe, targs, rargs, quiet=True)
 
-    # Time the per-epoch evals so they can be taken out of the training time, and record the accuracy curve.
-    curve, eval_time = [], [0.0]
-    plain_evaluate = trainer.evaluate
-    fit_start = [None]
+    # The per-epoch evals are taken out of the training time (and give the accuracy curve), timed through the
+    # Trainer's events: an eval runs between an epoch's last update_end and its evaluate_end.
+    curve, eval_time, marks = [], [0.0], {}
 
-    def timed_evaluate(final=False):
-        sync()
-        t = time.perf_counter()
-        results = plain_evaluate(final=final)
-        sync()
-        if not final:  # training time so far = time since fit() began minus the earlier evals
-            curve.append((t - fit_start[0] - eval_time[0], trainer.epoch, results.get("eval_accuracy")))
-            eval_time[0] += time.perf_counter() - t
-        return results
+    def on_update_end(trainer):
+        if trainer.progress.batch_in_epoch == 0:  # an epoch ended: the eval follows
+            sync()
+            marks["epoch_end"] = time.perf_counter()
 
-    trainer.evaluate = timed_evaluate
+    def on_evaluate_end(trainer, results, final):
+        if final:
+            return
+        sync()
+        now = time.perf_counter()
+        # training time so far = time since fit() began minus the earlier evals
+        curve.append((marks["epoch_end"] - marks["fit"] - eval_time[0], trainer.epoch, results.get("eval_accuracy")))
+        eval_time[0] += now - marks["epoch_end"]
+
+    trainer.on("update_end", on_update_end)
+    trainer.on("evaluate_end", on_evaluate_end)
     sync()
-    fit_start[0] = time.perf_counter()
+    marks["fit"] = time.perf_counter()
     final = trainer.fit()
     sync()
     end = time.perf_counter()
-    train_s = end - fit_start[0] - eval_time[0]
+    train_s = end - marks["fit"] - eval_time[0]
     acc, tta = final.get("eval_accuracy"), final.get("eval_tta_accuracy")
     best = tta if tta is not None else acc
     curve.append((train_s, trainer.epoch, best))

@@ -85,12 +85,11 @@ def bare_accelerate(steps: int) -> float:
 def trainer(steps: int) -> float:
     recipe = Recipe(
         name="overhead",
-        build_model=lambda args, targs: make_model(),
-        build_data=lambda args, targs, acc: {"train": make_data()},
-        collate=None,
+        build_model=lambda ctx: make_model(),
+        build_data=lambda ctx: {"train": make_data()},
         loss=lambda model, batch: (nn.functional.cross_entropy(model(batch[0]), batch[1]), len(batch[1])),
-        build_optimizer=lambda model, args, targs: torch.optim.AdamW(model.parameters(), lr=LR),
-        build_scheduler=lambda opt, total, args, targs: linear_decay(opt, total),
+        build_optimizer=lambda model, ctx: torch.optim.AdamW(model.parameters(), lr=LR),
+        build_scheduler=lambda opt, ctx: linear_decay(opt, ctx.num_training_steps),
     )
     with tempfile.TemporaryDirectory() as out:
         t = Trainer(

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from accel_trainer.errors import UserError
 from accel_trainer.text import (
     MissingInputError,
-    length_grouped_train,
+    length_grouped_loader,
     load_config,
     load_pretrained,
     load_text_dataset,
@@ -110,9 +110,10 @@ def tokenizer_for(args):
     return _tokenizer(name_or_path, args.cache_dir)
 
 
-def build_model(args, targs):
+def build_model(ctx):
     from transformers import AutoModelForCausalLM
 
+    args = ctx.args
     if args.config_name:
         config = load_config(args.config_name, cache_dir=args.cache_dir)
         if args.config_overrides:
@@ -158,7 +159,8 @@ def _load_raw(args):
     return raw
 
 
-def build_data(args, targs, accelerator):
+def build_data(ctx):
+    args, accelerator = ctx.args, ctx.accelerator
     tokenizer = tokenizer_for(args)
     raw = _load_raw(args)
     splits = {"train": raw["train"], "eval": raw["validation"]}
@@ -202,20 +204,17 @@ def build_data(args, targs, accelerator):
                 what = f"full block of {block} tokens" if args.packing else "non-empty line"
                 raise MissingInputError(f"the {k} split has no {what}; give more text or a smaller --block_size.")
             out[k] = ds
-    global _pad_id
-    _pad_id = tokenizer.pad_token_id
-    if args.group_by_length:  # our own batch loader instead of the Trainer's shuffled DataLoader
-        out["train"] = length_grouped_train(out["train"], targs, collate, accelerator)
-    return out
+    collate = functools.partial(pad_collate, pad_id=tokenizer.pad_token_id)
+    # group_by_length: our own batch loader of similar-length batches instead of the Trainer's shuffled DataLoader
+    loader = length_grouped_loader(ctx, collate) if args.group_by_length else None
+    return {"train": out["train"], "eval": out["eval"], "collate": collate,
+            "loader": loader}  # fmt: skip
 
 
-_pad_id = None  # set by build_data; collate() only receives the examples
-
-
-def collate(examples):
+def pad_collate(examples, pad_id: int):
     """Right-pad to the longest example of the batch; padding is masked from attention and from the loss."""
     longest = max(len(e["input_ids"]) for e in examples)
-    input_ids = torch.full((len(examples), longest), _pad_id, dtype=torch.long)
+    input_ids = torch.full((len(examples), longest), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), longest), dtype=torch.long)
     for i, e in enumerate(examples):
         input_ids[i, : len(e["input_ids"])] = torch.as_tensor(e["input_ids"])
@@ -276,13 +275,15 @@ def generate_sample(model, tokenizer, prompt: str = "", max_new_tokens: int = 40
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def on_evaluate(trainer, metrics, final):
+def on_evaluate_end(trainer, metrics, final):
     extra = {}
     if "eval_loss" in metrics:
         # eval_loss is the token-weighted mean over the whole eval split, so exp() of it is the perplexity
         extra["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
     args = trainer.recipe_args
-    if args.sample_max_new_tokens > 0 and trainer.accelerator.is_main_process:
+    if args.sample_max_new_tokens > 0:
+        # Every rank generates (the same sample: same weights and seed), so that a sharded model, whose forward
+        # is a collective, is never run by one rank alone; only the main process prints it.
         sample = generate_sample(
             trainer.unwrapped_model,
             tokenizer_for(args),
@@ -290,7 +291,7 @@ def on_evaluate(trainer, metrics, final):
             args.sample_max_new_tokens,
             seed=trainer.args.seed,
         )
-        print(f"[sample @ step {trainer.global_step}] {sample!r}", flush=True)
+        trainer.reporter.print(f"[sample @ step {trainer.global_step}] {sample!r}")
         extra["eval_sample"] = sample
     return extra
 

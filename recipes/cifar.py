@@ -35,7 +35,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cifar_data.py next to this file
-from cifar_data import DEFAULT_DATASET, DeviceLoader, load_cifar10, normalize  # noqa: E402
+from cifar_data import DEFAULT_DATASET, CifarSplit, DeviceLoader, load_cifar10, normalize  # noqa: E402
+
+from accel_trainer import UserError  # noqa: E402
 
 name = "cifar"
 
@@ -133,28 +135,27 @@ class Args:
             raise ValueError(f"--tta_level {self.tta_level}: use 0, 1 or 2.")
 
 
-def configure(args, targs, given=None):
-    """Fill what the preset decides and the user left unset; derive per-device batches from global ones.
-    `given`: the fields the user set (from `run()`); None in a notebook, where an unchanged default counts as unset."""
+def configure(ctx):
+    """Fill what the preset decides and the user left unset (`ctx.given`); derive per-device batches from the global
+    ones over `ctx.world_size` processes."""
+    args, targs = ctx.args, ctx.targs
     preset = PRESETS[args.preset]
     for key in ("widths", "batch_size", "eval_batch_size"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    if (
-        ("num_train_epochs" not in given)
-        if given is not None
-        else (targs.num_train_epochs == defaults["num_train_epochs"])
-    ):
+    if "num_train_epochs" not in ctx.given:
         targs.num_train_epochs = preset["num_train_epochs"]
     if targs.mixed_precision is None and not os.environ.get("ACCELERATE_MIXED_PRECISION"):
         # bf16 where it is fast: a GPU, or a CPU with AVX512-BF16 / AMX (the "small" preset opts in).
         on_gpu = torch.cuda.is_available() and not targs.use_cpu
         targs.mixed_precision = preset["mixed_precision"] if on_gpu or args.preset == "small" else "no"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     for key, flag in (("batch_size", "per_device_train_batch_size"), ("eval_batch_size", "per_device_eval_batch_size")):
-        if getattr(args, key) % world:
-            raise ValueError(f"--{key} {getattr(args, key)} does not split evenly over {world} processes.")
-        setattr(targs, flag, getattr(args, key) // world)
+        if getattr(args, key) % ctx.world_size:
+            raise UserError(
+                f"--{key} {getattr(args, key)} does not split evenly over {ctx.world_size} processes: pass a "
+                f"multiple of {ctx.world_size}."
+            )
+        setattr(targs, flag, getattr(args, key) // ctx.world_size)
 
 
 def _widths(args):
@@ -224,23 +225,17 @@ class CifarNet(nn.Module):
         self.whiten.weight.copy_(torch.cat((filters, -filters)))
 
 
-def _plain(model):
+def _cifarnet(model):
     """The CifarNet under DDP / torch.compile wrappers."""
     while not isinstance(model, CifarNet):
         model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
     return model
 
 
-def _main_first():
-    from accelerate import PartialState
-
-    return PartialState().main_process_first()  # rank 0 decodes and caches the data; the others then read it
-
-
-def build_model(args, targs):
-    args = args or Args()
+def build_model(ctx):
+    args = ctx.args
     model = CifarNet(_widths(args), bn_momentum=args.bn_momentum, label_smoothing=args.label_smoothing)
-    with _main_first():
+    with ctx.accelerator.main_process_first():  # rank 0 decodes and caches the data; the others then read it
         train_images = load_cifar10(args.dataset, args.cache_dir)["train"][0]
     # Whitening statistics from the first 5000 train images: the same on every rank, no communication needed.
     model.init_whitening(normalize(torch.from_numpy(train_images[:5000])))
@@ -253,30 +248,29 @@ def build_model(args, targs):
 # Data
 
 
-def build_data(args, targs, accelerator):
-    args = args or Args()
-    with accelerator.main_process_first():
+def build_data(ctx):
+    """The splits as uint8 arrays (cut by --max_train_samples/--max_eval_samples in the Trainer), batched on the
+    device by DeviceLoader: each rank a contiguous part of every global batch."""
+    args, acc = ctx.args, ctx.accelerator
+    with acc.main_process_first():
         data = load_cifar10(args.dataset, args.cache_dir)
-    (x_train, y_train), (x_test, y_test) = data["train"], data["test"]
-    if targs.max_train_samples:
-        x_train, y_train = x_train[: targs.max_train_samples], y_train[: targs.max_train_samples]
-    if targs.max_eval_samples:
-        x_test, y_test = x_test[: targs.max_eval_samples], y_test[: targs.max_eval_samples]
-    common = dict(
-        device=accelerator.device, seed=targs.seed, rank=accelerator.process_index, world_size=accelerator.num_processes
-    )
-    return {
-        "train": DeviceLoader(
-            x_train,
-            y_train,
-            targs.per_device_train_batch_size,
-            train=True,
+
+    def loader(split, *, batch_size, train, drop_last):
+        return DeviceLoader(
+            split.images,
+            split.labels,
+            batch_size,
+            train=train,
+            drop_last=drop_last,
             flip=args.flip,
             translate=args.translate,
-            **common,
-        ),
-        "eval": DeviceLoader(x_test, y_test, targs.per_device_eval_batch_size, train=False, **common),
-    }
+            device=acc.device,
+            seed=ctx.targs.seed,
+            rank=ctx.process_index,
+            world_size=ctx.world_size,
+        )
+
+    return {"train": CifarSplit(*data["train"]), "eval": CifarSplit(*data["test"]), "loader": loader}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -286,21 +280,24 @@ def build_data(args, targs, accelerator):
 def loss(model, batch):
     logits = model(batch["images"])
     labels = batch["labels"]
-    return F.cross_entropy(logits.float(), labels, label_smoothing=_plain(model).label_smoothing), len(labels)
+    # sum / max(n, 1), not the mean: a rank whose share of the last global batch is empty (1025 images on
+    # 2 x 512) gives 0 with weight 0 instead of NaN (the mean of nothing), which would stop the run.
+    total = F.cross_entropy(logits.float(), labels, label_smoothing=_cifarnet(model).label_smoothing, reduction="sum")
+    return total / max(len(labels), 1), len(labels)
 
 
 def eval_step(model, batch):
     logits = model(batch["images"]).float()
     labels = batch["labels"]
     return {
-        "loss": F.cross_entropy(logits, labels),
-        "n_items": len(labels),
+        "loss": F.cross_entropy(logits, labels, reduction="none"),  # per image: exact for any split into ranks
+        "n_items": torch.ones(len(labels), device=logits.device),
         "predictions": logits.argmax(1),
         "references": labels,
     }
 
 
-def build_metrics(args):
+def build_metrics(ctx):
     from accel_trainer import load_metric
 
     return {"accuracy": load_metric("accuracy")}
@@ -323,15 +320,15 @@ def tta_logits(model, images, level=2):
     return 0.5 * logits + 0.25 * (mirror(shifted[0]) + mirror(shifted[1]))
 
 
-def on_evaluate(trainer, metrics, final):
+def on_evaluate_end(trainer, metrics, final):
     """After the final eval: accuracy with test-time augmentation, through `evaluate` like the plain accuracy."""
-    args = trainer.recipe_args or Args()
+    args = trainer.recipe_args
     if not final or args.tta_level == 0 or trainer.eval_loader is None:
         return None
-    model = trainer.ema.module if trainer.ema is not None else trainer.model
+    model = trainer.eval_model
     was_training = model.training
     model.eval()
-    metric = build_metrics(args)["accuracy"]
+    metric = build_metrics(trainer.ctx)["accuracy"]
     with torch.no_grad():
         for batch in trainer.eval_loader:
             out = {
@@ -405,19 +402,17 @@ class LookaheadSGD(torch.optim.SGD):
             self.ema = None if la["ema"] is None else [t.to(v.device) for t, v in zip(la["ema"], self._floats())]
 
 
-def build_optimizer(model, args, targs):
+def build_optimizer(model, ctx):
     """airbench's decoupled units -> torch SGD. Our loss is the MEAN over the global batch of B examples, so the
     torch lr is lr_per_1024 * B / (1024 * (1 + 1/(1-momentum))): the second factor undoes Nesterov's step
     amplification for time-constant gradients. Weight decay per step is wd_per_1024 * B / (same), and torch
     multiplies its weight_decay by the lr, so we pass the ratio."""
-    args = args or Args()
-    from accelerate import PartialState
-
-    B = targs.per_device_train_batch_size * targs.gradient_accumulation_steps * PartialState().num_processes
+    args, targs = ctx.args, ctx.targs
+    B = ctx.global_batch_size
     scale = 1024 * (1 + 1 / (1 - args.momentum))
     lr = targs.learning_rate * B / scale
     wd = targs.weight_decay * B / scale
-    net = _plain(model)
+    net = _cifarnet(model)
     norm_biases = [m.bias for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     ids = {id(p) for p in norm_biases} | {id(net.whiten.bias)}
     others = [p for p in net.parameters() if p.requires_grad and id(p) not in ids]
@@ -430,9 +425,9 @@ def build_optimizer(model, args, targs):
     return LookaheadSGD(groups, net, lr=lr, momentum=args.momentum, enabled=args.lookahead)
 
 
-def build_scheduler(optimizer, num_training_steps, args, targs):
+def build_scheduler(optimizer, ctx):
     """airbench's triangle: lr factor lr_start -> 1 (at lr_peak_at of training) -> lr_end, linear pieces."""
-    args = args or Args()
+    args, num_training_steps = ctx.args, ctx.num_training_steps
     inner = getattr(optimizer, "optimizer", optimizer)
     inner.total_steps = num_training_steps
     peak = max(1, int(args.lr_peak_at * num_training_steps))

@@ -211,6 +211,24 @@ def normalize(images_nhwc_uint8, dtype=torch.float32):
 # The loader
 
 
+class CifarSplit(torch.utils.data.Dataset):
+    """One split as uint8 arrays (images [N,32,32,3], labels [N]): a map-style dataset the Trainer can cut
+    (--max_train_samples, via select) and hand to DeviceLoader, which batches it on the device."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"images": torch.as_tensor(self.images[i]), "labels": int(self.labels[i])}
+
+    def select(self, indices):
+        indices = np.asarray(list(indices))
+        return CifarSplit(self.images[indices], self.labels[indices])
+
+
 class DeviceLoader:
     """Batches of {"images": float [B,3,32,32] (channels_last), "labels": int64 [B]} from data already on `device`.
 

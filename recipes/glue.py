@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from accel_trainer.text import (
     MissingInputError,
-    length_grouped_train,
+    length_grouped_loader,
     load_config,
     load_pretrained,
     load_text_dataset,
@@ -115,9 +115,10 @@ def tokenizer_for(args):
     return _tokenizer(args.tokenizer_name or args.model_name_or_path, args.cache_dir)
 
 
-def build_model(args, targs):
+def build_model(ctx):
     from transformers import AutoModelForSequenceClassification
 
+    args = ctx.args
     num_labels = NUM_LABELS.get(args.task_name, 2)
     if args.config_name:
         config = load_config(args.config_name, num_labels=num_labels, cache_dir=args.cache_dir)
@@ -133,13 +134,10 @@ def build_model(args, targs):
     return model  # --gradient_checkpointing and --mixed_precision are applied by the Trainer
 
 
-_collator = None  # set by build_data: DataCollatorWithPadding needs the tokenizer, and collate() gets only examples
-
-
-def build_data(args, targs, accelerator):
+def build_data(ctx):
     from transformers import DataCollatorWithPadding
 
-    global _collator
+    args, accelerator = ctx.args, ctx.accelerator
     tokenizer = tokenizer_for(args)
     raw = load_text_dataset(args.dataset_name, args.task_name, cache_dir=args.cache_dir)
     eval_split = args.eval_split or EVAL_SPLIT.get(args.task_name, "validation")
@@ -170,15 +168,18 @@ def build_data(args, targs, accelerator):
             for k, ds in splits.items()
         }
     splits = {k: ds.rename_column("label", "labels") for k, ds in splits.items()}
-    _collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=args.pad_to_multiple_of)
-    if args.group_by_length:  # our own batch loader instead of the Trainer's shuffled DataLoader
-        splits["train"] = length_grouped_train(splits["train"], targs, collate, accelerator)
-    return splits
+    # A partial of a module-level function, not a closure: DataLoader workers started by spawn can pickle it.
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=args.pad_to_multiple_of)
+    collate = functools.partial(pad_collate, collator=collator)
+
+    # group_by_length: our own batch loader of similar-length batches instead of the Trainer's shuffled DataLoader
+    loader = length_grouped_loader(ctx, collate) if args.group_by_length else None
+    return {"train": splits["train"], "eval": splits["eval"], "collate": collate, "loader": loader}
 
 
-def collate(examples):
+def pad_collate(examples, collator):
     # Pads input_ids/attention_mask/token_type_ids to the longest example of this batch, stacks labels.
-    return dict(_collator(examples))
+    return dict(collator(examples))
 
 
 def loss(model, batch):
@@ -206,11 +207,11 @@ def eval_step(model, batch):
     }
 
 
-def build_metrics(args):
+def build_metrics(ctx):
     from accel_trainer.metrics import load_metric
 
     # one module returning the task's GLUE metrics (e.g. {"accuracy", "f1"}), reported as eval_accuracy, eval_f1
-    return {"glue": load_metric("glue", config_name=args.task_name)}
+    return {"glue": load_metric("glue", config_name=ctx.args.task_name)}
 
 
 if __name__ == "__main__":

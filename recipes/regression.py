@@ -10,8 +10,13 @@ counted targets and returns that count, which the Trainer uses to weight micro-b
 
 Data: synthetic from `--data_seed` (default), or JSON lines files via `datasets` with fields `x`, `y` and
 optionally `mask` (`--train_file`, `--eval_file`).
+
+It is also the recipe that shows every hook of the contract (docs/architecture.md): Args, defaults, configure,
+build_model, build_data (with its collate), loss, eval_step, build_metrics, build_optimizer, build_scheduler, and
+an event (on_evaluate_end). Every builder takes the read-only context `ctx` (accel_trainer.RecipeContext).
 """
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from accel_trainer import load_metric
+from accel_trainer import UserError, load_metric
 
 
 @dataclass
@@ -35,12 +40,30 @@ class Args:
     noise: float = 0.1  # std of the noise added to synthetic targets
     dropout: float = 0.0  # dropout after the hidden layer
     data_seed: int = 0  # seed of the synthetic data (independent of --seed)
+    global_batch_size: int | None = None  # samples per update, all processes; sets the per-device batch
 
 
+# The recipe's own defaults for TrainingArguments fields (the Trainer's suit transformers, not this MLP).
 defaults = {"learning_rate": 1e-2, "per_device_train_batch_size": 16, "num_train_epochs": 5, "logging_steps": 5}
 
 
-def build_model(args: Args, targs) -> nn.Module:
+def configure(ctx):
+    """After parsing, before anything is built: --global_batch_size sets the per-device batch for this world
+    size, unless the user also set --per_device_train_batch_size (ctx.given), which then wins."""
+    args, targs = ctx.args, ctx.targs
+    if args.global_batch_size is None or "per_device_train_batch_size" in ctx.given:
+        return
+    per_update = ctx.world_size * targs.gradient_accumulation_steps
+    if args.global_batch_size % per_update:
+        raise UserError(
+            f"--global_batch_size {args.global_batch_size} does not split over {ctx.world_size} processes x "
+            f"{targs.gradient_accumulation_steps} accumulation steps: pass a multiple of {per_update}."
+        )
+    targs.per_device_train_batch_size = args.global_batch_size // per_update
+
+
+def build_model(ctx) -> nn.Module:
+    args = ctx.args
     return nn.Sequential(
         nn.Linear(args.num_features, args.hidden_size),
         nn.Tanh(),
@@ -83,7 +106,12 @@ class TensorDict(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.tensors.items()}
 
 
-def build_data(args: Args, targs, accelerator) -> dict:
+def collate(examples: list[dict]) -> dict:
+    return {k: torch.stack([torch.as_tensor(e[k]) for e in examples]) for k in examples[0]}
+
+
+def build_data(ctx) -> dict:
+    args = ctx.args
     if args.train_file:
         train = _from_file(args.train_file)
         evald = _from_file(args.eval_file) if args.eval_file else None
@@ -92,7 +120,7 @@ def build_data(args: Args, targs, accelerator) -> dict:
         evald = (
             TensorDict(_synthetic(args, args.num_eval_samples, args.data_seed + 2)) if args.num_eval_samples else None
         )
-    return {"train": train, "eval": evald}
+    return {"train": train, "eval": evald, "collate": collate}
 
 
 def loss(model, batch):
@@ -113,8 +141,33 @@ def eval_step(model, batch):
     }
 
 
-def build_metrics(args: Args) -> dict:
+def build_metrics(ctx) -> dict:
     return {"mse": load_metric("mse")}
+
+
+def build_optimizer(model, ctx):
+    # Plain AdamW over every parameter: the Trainer's default also exempts biases from weight decay.
+    t = ctx.targs
+    return torch.optim.AdamW(
+        model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+        weight_decay=t.weight_decay,
+    )  # fmt: skip
+
+
+def build_scheduler(optimizer, ctx):
+    # ctx.num_training_steps: the optimizer updates of the whole run, known once the data is built.
+    from transformers import get_scheduler
+
+    t = ctx.targs
+    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * ctx.num_training_steps)
+    return get_scheduler(t.lr_scheduler_type, optimizer, warmup, ctx.num_training_steps)
+
+
+def on_evaluate_end(trainer, metrics, final) -> dict | None:
+    """An event: runs after every evaluation; what it returns is logged with the evaluation's metrics."""
+    if "eval_mse" in metrics:
+        return {"eval_rmse": math.sqrt(metrics["eval_mse"])}
+    return None
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ defaults = dict(regression.defaults, save_steps=0)
 class ShardLoader:
     """Global batches of batch_size x world_size, each split into per-rank parts of unequal size (no padding)."""
 
-    def __init__(self, tensors, batch_size, rank, world, seed, shuffle):
+    def __init__(self, tensors, batch_size, rank, world, seed, shuffle, drop_last=False):
         self.t, self.bs, self.rank, self.world, self.seed, self.shuffle = (
             tensors,
             batch_size,
@@ -25,7 +25,9 @@ class ShardLoader:
             seed,
             shuffle,
         )
-        self.n = len(tensors["x"])
+        # drop_last: no short global batch at the end (the samples past the last full one are not seen)
+        self.total = len(tensors["x"])
+        self.n = self.total // (batch_size * world) * (batch_size * world) if drop_last else self.total
         self.epoch = 0
 
     def __len__(self):
@@ -36,22 +38,31 @@ class ShardLoader:
 
     def __iter__(self):
         order = (
-            torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            torch.randperm(self.total, generator=torch.Generator().manual_seed(self.seed + self.epoch))
             if self.shuffle
-            else torch.arange(self.n)
-        )
+            else torch.arange(self.total)
+        )[: self.n]
         for start in range(0, self.n, self.bs * self.world):
             part = order[start : start + self.bs * self.world].tensor_split(self.world)[self.rank]
             yield {k: v[part] for k, v in self.t.items()}
 
 
-def build_data(args, targs, accelerator):
-    r, w = accelerator.process_index, accelerator.num_processes
-    train = regression._synthetic(args, args.num_train_samples, args.data_seed + 1)
-    evald = regression._synthetic(args, args.num_eval_samples, args.data_seed + 2)
+class Tensors(regression.TensorDict):
+    def select(self, indices):  # lets the Trainer cut it (--max_train_samples)
+        idx = torch.as_tensor(list(indices))
+        return Tensors({k: v[idx] for k, v in self.tensors.items()})
+
+
+def build_data(ctx):
+    args, r, w = ctx.args, ctx.process_index, ctx.world_size
+
+    def loader(dataset, *, batch_size, train, drop_last):
+        return ShardLoader(dataset.tensors, batch_size, r, w, ctx.targs.seed, shuffle=train, drop_last=drop_last)
+
     return {
-        "train": ShardLoader(train, targs.per_device_train_batch_size, r, w, targs.seed, True),
-        "eval": ShardLoader(evald, targs.per_device_eval_batch_size, r, w, targs.seed, False),
+        "train": Tensors(regression._synthetic(args, args.num_train_samples, args.data_seed + 1)),
+        "eval": Tensors(regression._synthetic(args, args.num_eval_samples, args.data_seed + 2)),
+        "loader": loader,
     }
 
 

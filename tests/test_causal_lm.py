@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from text_fixtures import OneProcess, load_recipe_module, make_text_files, make_tiny_gpt2, read_jsonl, run_recipe, targs
+from text_fixtures import ctx, load_recipe_module, make_text_files, make_tiny_gpt2, read_jsonl, run_recipe
 
 clm = load_recipe_module("causal_lm")
 
@@ -46,7 +46,7 @@ def args(env, **kw):
 # ------------------------------------------------------------------------------------------------ data, in-process
 def test_packing_cuts_the_token_stream_into_full_blocks(env):
     a = args(env, block_size=16)
-    data = clm.build_data(a, targs(), OneProcess())
+    data = clm.build_data(ctx(a))
     tok = clm.tokenizer_for(a)
     with open(env["train"]) as f:  # text files keep their line breaks when packed
         stream = [
@@ -56,25 +56,25 @@ def test_packing_cuts_the_token_stream_into_full_blocks(env):
     assert {len(b) for b in blocks} == {16}
     packed = [t for b in blocks for t in b]
     assert packed == stream[: len(packed)] and len(stream) - len(packed) < 16  # only the remainder is dropped
-    batch = clm.collate([data["train"][i] for i in range(4)])
+    batch = data["collate"]([data["train"][i] for i in range(4)])
     assert torch.equal(batch["labels"], batch["input_ids"]) and batch["attention_mask"].all()
-    _, n = clm.loss(clm.build_model(a, targs()), batch)
+    _, n = clm.loss(clm.build_model(ctx(a)), batch)
     assert n == 4 * 15  # every token but the first of each block is a target
 
 
 def test_tokenised_once_then_read_from_the_cache(env):
     a = args(env, block_size=8)
-    first = clm.build_data(a, targs(), OneProcess())["train"]
+    first = clm.build_data(ctx(a))["train"]
     files = first.cache_files
     assert files and all(os.path.basename(f["filename"]).startswith("cache-") for f in files)
     mtimes = [os.path.getmtime(f["filename"]) for f in files]
-    again = clm.build_data(a, targs(), OneProcess())["train"]  # the cross-process case: see the parity test
+    again = clm.build_data(ctx(a))["train"]  # the cross-process case: see the parity test
     assert again.cache_files == files and [os.path.getmtime(f["filename"]) for f in files] == mtimes
 
 
 def test_without_validation_file_the_tail_is_held_out(env):
     a = args(env, validation_file=None, packing=False, validation_split_percentage=10, block_size=64)
-    data = clm.build_data(a, targs(), OneProcess())
+    data = clm.build_data(ctx(a))
     with open(env["train"]) as f:
         n_lines = len([line for line in f if line.strip()])
     assert len(data["eval"]) == n_lines // 10 and len(data["train"]) == n_lines - n_lines // 10
@@ -86,13 +86,13 @@ def test_without_validation_file_the_tail_is_held_out(env):
 
 def test_per_line_batches_mask_padding_and_weight_by_target_tokens(env):
     a = args(env, packing=False, block_size=64)
-    data = clm.build_data(a, targs(), OneProcess())
-    model = clm.build_model(a, targs())
+    data = clm.build_data(ctx(a))
+    model = clm.build_model(ctx(a))
     lengths = [len(x) for x in data["train"]["input_ids"]]
     assert min(lengths) < 6 and max(lengths) > 20  # micro-batches will hold very different token counts
     short = sorted(range(len(lengths)), key=lengths.__getitem__)[:4]
     long = sorted(range(len(lengths)), key=lengths.__getitem__)[-4:]
-    b_short, b_long, b_all = (clm.collate([data["train"][i] for i in ix]) for ix in (short, long, short + long))
+    b_short, b_long, b_all = (data["collate"]([data["train"][i] for i in ix]) for ix in (short, long, short + long))
     # padding is never a target, nor attended to
     assert torch.equal(b_all["labels"] == -100, b_all["attention_mask"] == 0)
     l_s, n_s = clm.loss(model, b_short)
@@ -110,11 +110,11 @@ def test_missing_inputs_give_a_clear_error(env):
     from accel_trainer.text import MissingInputError
 
     with pytest.raises(MissingInputError, match=r"train file .*nope\.txt.* does not exist.*--train_file"):
-        clm.build_data(args(env, train_file=str(env["root"] / "nope.txt")), targs(), OneProcess())
+        clm.build_data(ctx(args(env, train_file=str(env["root"] / "nope.txt"))))
     with pytest.raises(MissingInputError, match=r"model path .*no-model.* does not exist.*--model_name_or_path"):
-        clm.build_model(args(env, model_name_or_path=str(env["root"] / "no-model")), targs())
+        clm.build_model(ctx(args(env, model_name_or_path=str(env["root"] / "no-model"))))
     with pytest.raises(MissingInputError, match=r"tokenizer path .*no-tok.* does not exist"):
-        clm.build_model(args(env, config_name=env["config_only"], tokenizer_name=str(env["root"] / "no-tok")), targs())
+        clm.build_model(ctx(args(env, config_name=env["config_only"], tokenizer_name=str(env["root"] / "no-tok"))))
     with pytest.raises(ValueError, match="--train_file"):
         clm.Args(model_name_or_path=env["model"])
 
@@ -173,7 +173,7 @@ def test_from_scratch_end_to_end(env, tmp_path):
         assert e["eval_sample"].startswith("the cat") and len(e["eval_sample"]) > len("the cat")
     assert "[sample @ step 30] 'the cat" in proc.stdout
     # plain weights that load back into the model built from the same config
-    model = clm.build_model(args(env, config_name=env["config_only"], tokenizer_name=env["config_only"]), targs())
+    model = clm.build_model(ctx(args(env, config_name=env["config_only"], tokenizer_name=env["config_only"])))
     missing, unexpected = model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
     # the output projection is tied to the input embedding: safetensors stores the shared tensor once
     assert not unexpected and len(missing) <= 1 and set(missing) <= {"lm_head.weight", "transformer.wte.weight"}

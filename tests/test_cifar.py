@@ -5,10 +5,8 @@ the whitening init, lookahead and the lr units. Subprocesses (as users run it): 
 with 2 processes end to end, and the missing-dataset error.
 """
 
-import io
 import json
 import os
-import pickle
 import subprocess
 import sys
 
@@ -27,53 +25,7 @@ from helpers import launch_cmd  # noqa: E402
 N_TRAIN, N_TEST = 240, 60
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# A tiny learnable CIFAR: class k is a noisy image whose mean colour and a bright row depend on k.
-
-
-def tiny_arrays(n, seed):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 10, n)
-    images = rng.integers(0, 80, (n, 32, 32, 3)).astype(np.int64)
-    images[np.arange(n), 3 * labels] += 150  # a bright row whose position is the class
-    images[..., 0] += (labels * 10)[:, None, None]  # and a class-dependent red tint
-    return images.clip(0, 255).astype(np.uint8), labels.astype(np.int64)
-
-
-def write_hub_layout(root, train, test):
-    """Parquet files with PNG images, as uoft-cs/cifar10 (and ../shared/data/cifar10) are laid out."""
-    import datasets
-    from PIL import Image
-
-    features = datasets.Features(
-        {"img": datasets.Image(), "label": datasets.ClassLabel(names=list(cifar_data.CLASSES))}
-    )
-    os.makedirs(os.path.join(root, "plain_text"), exist_ok=True)
-    for split, (x, y) in (("train", train), ("test", test)):
-        pngs = []
-        for img in x:
-            buf = io.BytesIO()
-            Image.fromarray(img).save(buf, format="PNG")
-            pngs.append({"bytes": buf.getvalue(), "path": None})
-        ds = datasets.Dataset.from_dict({"img": pngs, "label": y.tolist()}, features=features)
-        ds.to_parquet(os.path.join(root, "plain_text", f"{split}-00000-of-00001.parquet"))
-    with open(os.path.join(root, "README.md"), "w") as f:
-        f.write(
-            "---\nconfigs:\n- config_name: plain_text\n  data_files:\n  - split: train\n    path: plain_text/train-*\n"
-            "  - split: test\n    path: plain_text/test-*\n  default: true\n---\n# tiny CIFAR-10 for tests\n"
-        )
-
-
-def write_pickle_folder(root, train, test):
-    """The original cifar-10-batches-py layout: 5 train batches + test_batch, rows of 3072 bytes in CHW order."""
-    d = os.path.join(root, "cifar-10-batches-py")
-    os.makedirs(d)
-    parts = np.array_split(np.arange(len(train[1])), 5)
-    files = [(f"data_batch_{i + 1}", train[0][p], train[1][p]) for i, p in enumerate(parts)]
-    for name, x, y in files + [("test_batch", test[0], test[1])]:
-        with open(os.path.join(d, name), "wb") as f:
-            pickle.dump({b"data": x.transpose(0, 3, 1, 2).reshape(len(x), -1), b"labels": y.tolist()}, f)
-    return d
+from cifar_fixtures import tiny_arrays, write_hub_layout, write_pickle_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -263,21 +215,19 @@ def test_whitening_layer_whitens_patches():
 
 
 def test_lr_units_and_schedule():
+    from accel_trainer import RecipeContext, TrainingArguments
+
     net = cifar.CifarNet(widths=(8, 16, 16))
-    targs = type(
-        "T",
-        (),
-        dict(per_device_train_batch_size=1024, gradient_accumulation_steps=1, learning_rate=11.5, weight_decay=0.0153),
-    )()
-    args = cifar.Args()
-    opt = cifar.build_optimizer(net, args, targs)
+    targs = TrainingArguments(per_device_train_batch_size=512, learning_rate=11.5, weight_decay=0.0153)
+    ctx = RecipeContext(args=cifar.Args(), targs=targs, world_size=2)  # global batch 1024
+    opt = cifar.build_optimizer(net, ctx)
     # airbench94: lr 11.5 per 1024 examples with a summed loss == torch lr 1.5 on our mean loss at batch 1024.
     assert opt.param_groups[0]["lr"] == pytest.approx(11.5 / (1 + 1 / 0.15), rel=1e-6)
     assert opt.param_groups[1]["lr"] == pytest.approx(64 * opt.param_groups[0]["lr"])
     # per-step decay lr * wd is airbench's (0.0153 * 1024 / (1024 * (1 + 1/0.15))) for every group
     for g in opt.param_groups:
         assert g["lr"] * g["weight_decay"] == pytest.approx(0.0153 / (1 + 1 / 0.15), rel=1e-6)
-    sched = cifar.build_scheduler(opt, 100, args, targs)
+    sched = cifar.build_scheduler(opt, ctx.replace(num_training_steps=100))
     factors = []
     for _ in range(100):
         factors.append([g["lr"] / g["initial_lr"] for g in opt.param_groups])
@@ -289,45 +239,44 @@ def test_lr_units_and_schedule():
 
 
 def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
-    from accel_trainer import parse_args
+    from accel_trainer import UserError, resolve_args
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    targs, args = parse_args(cifar.Args, ["--preset", "small"], defaults=cifar.defaults)
-    cifar.configure(args, targs)
+    targs, args, _ = resolve_args(cifar, ["--preset", "small"], world_size=2)
     small = cifar.PRESETS["small"]
     assert args.widths == small["widths"] and targs.num_train_epochs == small["num_train_epochs"]
     assert targs.per_device_train_batch_size == small["batch_size"] // 2  # global batch split over 2
     assert targs.per_device_eval_batch_size == small["eval_batch_size"] // 2
     assert targs.max_grad_norm == 0 and targs.learning_rate == 11.5  # the recipe's defaults
-    targs, args = parse_args(
-        cifar.Args,
-        [
-            "--preset",
-            "small",
-            "--widths",
-            "8,8,8",
-            "--num_train_epochs",
-            "3",
-            "--batch_size",
-            "64",
-            "--mixed_precision",
-            "no",
-        ],
-        defaults=cifar.defaults,
-    )
-    cifar.configure(args, targs)
+    argv = "--preset small --widths 8,8,8 --num_train_epochs 3 --batch_size 64 --mixed_precision no".split()
+    targs, args, _ = resolve_args(cifar, argv, world_size=2)
     assert (args.widths, targs.num_train_epochs, targs.per_device_train_batch_size) == ("8,8,8", 3, 32)
     assert targs.mixed_precision == "no"
     # A flag equal to the recipe's default is still the user's choice: the preset must not replace it.
     argv = ["--preset", "small", "--num_train_epochs", str(cifar.defaults["num_train_epochs"])]
-    targs, args, given = parse_args(cifar.Args, argv, defaults=cifar.defaults, return_given=True)
+    targs, args, given = resolve_args(cifar, argv, world_size=2)
     assert "num_train_epochs" in given and "learning_rate" not in given
-    cifar.configure(args, targs, given)
     assert targs.num_train_epochs == cifar.defaults["num_train_epochs"] != small["num_train_epochs"]
-    targs, args = parse_args(cifar.Args, ["--batch_size", "1001"], defaults=cifar.defaults)
-    with pytest.raises(ValueError, match="split evenly"):
-        cifar.configure(args, targs)
+    # The same from Python: the keyword is the user's, as the flag was.
+    targs, _, _ = resolve_args(cifar, values={"preset": "small", "num_train_epochs": 9.9}, world_size=2)
+    assert targs.num_train_epochs == 9.9
+    with pytest.raises(UserError, match="split evenly over 2 processes"):
+        resolve_args(cifar, ["--batch_size", "1001"], world_size=2)
+
+
+def test_an_empty_share_of_the_last_batch_gives_a_zero_weight_loss_not_nan():
+    # 5 images in global batches of 2 x 2: the last global batch has one image, so rank 1's share is empty
+    # (as 1025 images on 2 x 512). Its loss used to be the mean of nothing (NaN), which stopped the run.
+    x, y = tiny_arrays(5, 0)
+    last = list(DeviceLoader(x, y, 2, train=True, rank=1, world_size=2))[-1]
+    assert len(last["labels"]) == 0
+    net = cifar.CifarNet(widths=(4, 8, 8))
+    value, n = cifar.loss(net, last)
+    assert n == 0 and torch.isfinite(value)
+    (value * n).backward()  # what the Trainer back-propagates: weight 0
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+    out = cifar.eval_step(net.eval(), last)
+    assert out["loss"].numel() == 0 and out["n_items"].numel() == 0
 
 
 def test_lookahead_pulls_weights_to_their_average():

@@ -6,7 +6,7 @@
 - elastic: a worker exits non-zero once under --max_restarts 1, the group restarts and resumes by itself;
 - a hung rank ends the job within --ddp_timeout plus a bound, naming the rank; no process is left behind.
 
-Runs are slowed and faults injected with the test-only ACCEL_TRAINER_TEST_FAULTS (accel_trainer/faults.py).
+Runs are slowed and faults injected by tests/fault_recipe.py (the regression recipe plus event handlers).
 Every process tree started here is killed in a finally block.
 """
 
@@ -18,12 +18,12 @@ import time
 
 import psutil
 import pytest
-from helpers import RECIPES, env, launch_cmd
+from helpers import env, launch_cmd
 
 from accel_trainer.faults import EXIT_PREEMPTED
 from accel_trainer.topology import RESTART_SAFE_ENV
 
-SCRIPT = os.path.join(RECIPES, "regression.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_recipe.py")
 # 256 samples, batch 16: 16 updates per epoch on 1 process, 8 per rank on 2. Dropout and masked targets make every
 # RNG stream and the item weighting matter.
 ARGS = [
@@ -49,9 +49,8 @@ class Run:
     def __init__(self, tmp, out, nproc, extra=(), faults=None, launcher_args=(), extra_env=None):
         self.out = str(out)
         e = env(**(extra_env or {}))
-        if faults:
-            e["ACCEL_TRAINER_TEST_FAULTS"] = faults
-        cmd = launch_cmd(nproc) + list(launcher_args) + [SCRIPT, "--output_dir", self.out] + ARGS + list(extra)
+        extra = list(extra) + (["--faults", faults] if faults else [])
+        cmd = launch_cmd(nproc) + list(launcher_args) + [SCRIPT, "--output_dir", self.out] + ARGS + extra
         self.log = open(os.path.join(tmp, f"log_{time.monotonic_ns()}.txt"), "w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e, start_new_session=True)
         self.seen: dict[int, psutil.Process] = {}
@@ -207,7 +206,7 @@ def test_sigterm_checkpoints_and_exits_75_then_resume_is_bit_identical(tmp_path,
 def _worker(run: Run, rank: int) -> psutil.Process:
     for p in run.tree():
         try:
-            if p.environ().get("RANK") == str(rank) and "regression.py" in " ".join(p.cmdline()):
+            if p.environ().get("RANK") == str(rank) and os.path.basename(SCRIPT) in " ".join(p.cmdline()):
                 return p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass

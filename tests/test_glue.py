@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file
 from text_fixtures import (
     OneProcess,
+    ctx,
     load_recipe_module,
     make_glue_folder,
     make_tiny_bert,
     read_jsonl,
     run_recipe,
-    targs,
 )
 
 glue = load_recipe_module("glue")
@@ -50,30 +50,31 @@ def args(env, **kw):
 
 # ------------------------------------------------------------------------------------------------ in-process
 def test_batches_are_padded_to_their_own_longest_pair(env):
-    data = glue.build_data(args(env), targs(), OneProcess())
+    data = glue.build_data(ctx(args(env)))
     assert len(data["train"]) == 64 and len(data["eval"]) == N_EVAL
     widths = []
     for start in range(0, 64, 8):
         rows = [data["train"][i] for i in range(start, start + 8)]
-        batch = glue.collate(rows)
+        batch = data["collate"](rows)
         longest = max(len(r["input_ids"]) for r in rows)
         assert batch["input_ids"].shape == batch["token_type_ids"].shape == (8, longest)
         assert batch["attention_mask"].sum(1).tolist() == [len(r["input_ids"]) for r in rows]
         assert batch["labels"].tolist() == [r["labels"] for r in rows]
         widths.append(longest)
     assert len(set(widths)) > 1 and max(widths) < 128  # per batch, not to max_seq_length
-    loss, n = glue.loss(glue.build_model(args(env), targs()), batch)
+    loss, n = glue.loss(glue.build_model(ctx(args(env))), batch)
     assert n == 8 and loss.ndim == 0
 
 
 def test_length_grouped_batches(env):
     from accel_trainer.text import LengthGroupedBatches
 
-    train = glue.build_data(args(env), targs(), OneProcess())["train"]
+    data = glue.build_data(ctx(args(env)))
+    train, collate = data["train"], data["collate"]
     lengths = [len(x) for x in train["input_ids"]]
 
     def loader(world=1, rank=0, bs=8, seed=0):
-        return LengthGroupedBatches(train, lengths, bs, glue.collate, OneProcess(world, rank), seed=seed)
+        return LengthGroupedBatches(train, lengths, bs, collate, OneProcess(world, rank), seed=seed)
 
     one = loader()
     epoch0 = one.global_batches(0)
@@ -90,11 +91,11 @@ def test_length_grouped_batches(env):
         for b2, b1 in zip(shard, batches1):
             assert torch.equal(b2["labels"], b1["labels"][rank * 4 : rank * 4 + 4])
     # a tail smaller than a global batch is shared out, or dropped only when smaller than the world size
-    assert len(LengthGroupedBatches(train.select(range(61)), lengths[:61], 4, glue.collate, OneProcess(2, 1))) == 8
+    assert len(LengthGroupedBatches(train.select(range(61)), lengths[:61], 4, collate, OneProcess(2, 1))) == 8
     assert [
         len(b)
         for b in LengthGroupedBatches(
-            train.select(range(57)), lengths[:57], 4, glue.collate, OneProcess(2, 0)
+            train.select(range(57)), lengths[:57], 4, collate, OneProcess(2, 0)
         ).global_batches(0)
     ] == [8] * 7
 
@@ -113,7 +114,7 @@ def test_length_grouped_batches(env):
     ],
 )
 def test_glue_metric_per_task_offline(task, preds, refs, expected):
-    metrics = glue.build_metrics(glue.Args(task_name=task))
+    metrics = glue.build_metrics(ctx(glue.Args(task_name=task)))
     module = metrics["glue"]
     module.add_batch(predictions=preds, references=refs)
     assert module.compute() == pytest.approx(expected)
@@ -123,13 +124,13 @@ def test_missing_or_wrong_inputs_give_a_clear_error(env):
     from accel_trainer.text import MissingInputError
 
     with pytest.raises(MissingInputError, match=r"dataset path .*no-data.* does not exist.*--dataset_name"):
-        glue.build_data(args(env, dataset_name=str(env["root"] / "no-data")), targs(), OneProcess())
+        glue.build_data(ctx(args(env, dataset_name=str(env["root"] / "no-data"))))
     with pytest.raises(MissingInputError, match=r"(?s)has no config 'cola'.*--task_name"):
-        glue.build_data(args(env, task_name="cola"), targs(), OneProcess())  # the folder has mrpc only
+        glue.build_data(ctx(args(env, task_name="cola")))  # the folder has mrpc only
     with pytest.raises(MissingInputError, match=r"no 'test' split.*--eval_split"):
-        glue.build_data(args(env, eval_split="test"), targs(), OneProcess())
+        glue.build_data(ctx(args(env, eval_split="test")))
     with pytest.raises(MissingInputError, match=r"model path .*no-model.* does not exist.*--model_name_or_path"):
-        glue.build_model(args(env, model_name_or_path=str(env["root"] / "no-model")), targs())
+        glue.build_model(ctx(args(env, model_name_or_path=str(env["root"] / "no-model"))))
     with pytest.raises(ValueError, match="not a GLUE task"):
         glue.Args(task_name="imdb")
 
@@ -200,11 +201,11 @@ def test_end_to_end_length_grouped(env, tmp_path):
 
 
 def _single_process_metrics(env, weights_path):
-    model = glue.build_model(args(env), targs())
+    model = glue.build_model(ctx(args(env)))
     model.load_state_dict(load_file(weights_path))
     model.eval()
-    data = glue.build_data(args(env), targs(), OneProcess())["eval"]
-    batch = glue.collate([data[i] for i in range(len(data))])
+    data = glue.build_data(ctx(args(env)))
+    batch = data["collate"]([data["eval"][i] for i in range(len(data["eval"]))])
     out = glue.eval_step(model, batch)
     pred, ref = out["predictions"], out["references"]
     tp = int(((pred == 1) & (ref == 1)).sum())

@@ -46,7 +46,7 @@ def test_fit_writes_run_files_and_plain_weights(tmp_path):
     assert all({"epoch", "elapsed_s", "learning_rate"} <= e.keys() for e in train)
     assert train[-1]["loss"] < train[0]["loss"]
     assert final["eval_samples"] == 64
-    plain = regression.build_model(regression.Args(), t.args)
+    plain = regression.build_model(t.ctx)
     load_model(plain, os.path.join(out, "model.safetensors"))  # strict: no module./_orig_mod. prefixes
     assert_same_weights(plain.state_dict(), t.unwrapped_model.state_dict(), rtol=0, atol=0)
 
@@ -102,6 +102,6 @@ def test_fp16_overflow_skips_are_counted_and_logged(tmp_path):
         before = weight.detach().clone()
         t.train_step()
         assert torch.equal(before, weight.detach()) == (step == 2)  # the overflowing update changed nothing
-    assert t.skipped_steps == 1
-    event = t._log()
+    assert t.progress.skipped_steps == 1
+    event = t.log()
     assert event["skipped_steps"] == 1 and event["loss_scale"] == 2.0**9  # halved once by the overflow

@@ -259,3 +259,16 @@ def targs(**kw):
 def read_jsonl(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def ctx(recipe_args, world: int = 1, rank: int = 0, **targs_kw):
+    """The RecipeContext a recipe's builders get, for in-process calls: one (or a stand-in) process on the CPU."""
+    from accel_trainer import RecipeContext
+
+    return RecipeContext(
+        args=recipe_args,
+        targs=targs(**targs_kw),
+        world_size=world,
+        process_index=rank,
+        accelerator=OneProcess(world, rank),
+    )

@@ -1,0 +1,357 @@
+"""Sharded training (FSDP2) through Accelerate, on GPUs and on CPU/gloo, and the refusal of DeepSpeed.
+
+The seam the Trainer calls, in order (docs/sharding.md has the whole integration plan):
+
+    plugin = fsdp_plugin(mixed_precision, reduce_dtype)       # None unless the launcher/config asks for FSDP
+    acc = Accelerator(..., fsdp_plugin=plugin)
+    activate_fsdp(acc, plugin)                                 # CPU: Accelerate's own FSDP2 path, see below
+    model, opt, sched = prepare_sharded(acc, model, opt, sched, wrap=recipe_classes)
+    ...                                                        # training: acc.no_sync, acc.clip_grad_norm_
+    save_full_model(acc, model, "model.safetensors")           # every rank: gathers the shards
+
+Why `activate_fsdp`: Accelerate 1.15 decides the distributed type in `AcceleratorState.__init__`, and only turns
+a multi-device world into `DistributedType.FSDP` for accelerator devices (MULTI_GPU, MULTI_XPU, ...). On CPU the
+same plugin and the same launcher environment give `MULTI_CPU`, and `prepare()` silently wraps the model in DDP
+(measured: 2 processes, `Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))`).
+Nothing else in Accelerate's FSDP2 code is GPU-only: `fully_shard` builds its default device mesh on the CPU
+over gloo, and gloo does the reduce-scatter/all-gather. So we set the two fields the state would have set on a
+GPU (`distributed_type`, `fsdp_plugin`) right after the Accelerator is built; from there `prepare()`
+(`_prepare_fsdp2` -> `fsdp2_prepare_model`), `no_sync`, `clip_grad_norm_`, `save_state`/`load_state` (DCP) and
+`get_state_dict` run Accelerate's own FSDP2 code, the code a GPU run uses -- which is what the CPU tests test.
+The alternative, calling `fully_shard` ourselves, would leave `save_state`, `clip_grad_norm_` and `no_sync` on
+their DDP branches, i.e. a second code path that GPUs never run. `PartialState` (process group, barriers,
+gather) reads FSDP then too, as on GPUs; its collectives and barriers treat FSDP and MULTI_CPU alike.
+As on GPUs, the FSDP type stays in the process's PartialState: one sharded Accelerator per process.
+
+A run that asks for FSDP and would get anything else (one process, FSDP1, an unsharded model) is an error that
+says why (`ShardingError`), never a silent fallback to DDP.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
+
+from .errors import UserError
+
+# Size-based wrapping for models without transformer blocks to name: every submodule over this many parameters
+# becomes its own FSDP unit (all-gathered just before its forward, freed after). Smaller models are one unit.
+DEFAULT_MIN_NUM_PARAMS = 1_000_000
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ShardingError(UserError):
+    """A sharding configuration that cannot run as asked; the message names the problem and the fix."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+# ------------------------------------------------------------------------------------------------------ DeepSpeed
+DEEPSPEED_REFUSAL = (
+    "{where}asks for DeepSpeed, which accel-trainer does not support: on this kind of machine it cannot be run "
+    "or tested (Accelerate 1.15 gives each CPU process its own world of 1 under DeepSpeed). Shard with FSDP "
+    "instead -- `accel-trainer config --fsdp` writes an accelerate config with `distributed_type: FSDP` and "
+    "`fsdp_version: 2` (ZeRO-3 ~ FSDP full sharding) -- or train with DDP (no sharding)."
+)
+
+
+def deepspeed_requested(config: dict | None = None) -> bool:
+    """True when an accelerate config (a loaded yaml dict) or the launcher's environment asks for DeepSpeed."""
+    if config is not None:
+        return str(config.get("distributed_type", "")).upper() == "DEEPSPEED" or bool(config.get("deepspeed_config"))
+    return _flag("ACCELERATE_USE_DEEPSPEED")
+
+
+def refuse_deepspeed(config: dict | None = None, where: str = "") -> None:
+    """Raise ShardingError when DeepSpeed is asked for. `where` names the source, e.g. 'Config file x.yaml '.
+    For the wizard (--deepspeed), `accel-trainer launch` (its config file) and the Trainer (the environment)."""
+    if deepspeed_requested(config):
+        raise ShardingError(DEEPSPEED_REFUSAL.format(where=where or "This run "))
+
+
+# ----------------------------------------------------------------------------------------------------- the plugin
+def fsdp_requested() -> bool:
+    """The launcher's environment asks for FSDP (`accelerate launch` with an FSDP config or --use_fsdp)."""
+    return _flag("ACCELERATE_USE_FSDP")
+
+
+def mixed_precision_policy(mixed_precision: str | None, reduce_dtype: str | None):
+    """FSDP2's MixedPrecisionPolicy: parameters all-gathered (and computed) in `mixed_precision`, gradients
+    reduce-scattered in `reduce_dtype`; None leaves Accelerate's default (both in `mixed_precision`).
+    bf16 with reduce_dtype='fp32' is the usual choice: bf16 compute, gradient sums without bf16 rounding."""
+    if reduce_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if reduce_dtype not in _DTYPES:
+        raise ShardingError(f"FSDP reduce dtype {reduce_dtype!r}: use one of {', '.join(_DTYPES)}.")
+    mp = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    param = _DTYPES.get(mp)  # "no" -> None: parameters stay in their own dtype (fp32)
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=_DTYPES[reduce_dtype], output_dtype=param)
+
+
+def fsdp_plugin(mixed_precision: str | None = None, reduce_dtype: str | None = None):
+    """The FullyShardedDataParallelPlugin the launcher's config describes (its FSDP_* environment, read by the
+    plugin exactly as `Accelerator()` would), or None when FSDP is not asked for. Pass it to `Accelerator(...,
+    fsdp_plugin=...)` and then to `activate_fsdp`: Accelerate keeps no reference to a plugin it built itself."""
+    if not fsdp_requested():
+        return None
+    from accelerate import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise ShardingError(
+            f"The accelerate config asks for FSDP version {plugin.fsdp_version}; accel-trainer runs FSDP2 only "
+            "(per-parameter sharding, DTensor state). Set `fsdp_version: 2` in its fsdp_config "
+            "(`accel-trainer config --fsdp` writes it)."
+        )
+    policy = mixed_precision_policy(mixed_precision, reduce_dtype)
+    if policy is not None:
+        plugin.mixed_precision_policy = policy  # Accelerate keeps a policy it is given (set_mixed_precision)
+    return plugin
+
+
+def activate_fsdp(accelerator, plugin) -> None:
+    """Make `accelerator` run Accelerate's FSDP2 code path with `plugin` (the one passed to Accelerator()).
+    On GPUs Accelerate has done it already; on CPU we set what AcceleratorState sets on GPUs (module docstring).
+    Raises ShardingError when the world cannot shard."""
+    if plugin is None:
+        return
+    state, kind = accelerator.state, accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        if not accelerator.is_fsdp2:
+            raise ShardingError("Accelerate set up FSDP1; accel-trainer runs FSDP2 only. Set `fsdp_version: 2`.")
+        return
+    if kind == DistributedType.NO or accelerator.num_processes < 2:
+        raise ShardingError(
+            "FSDP was asked for, but this run has 1 process: there is nothing to shard over. Launch 2 or more "
+            "processes (`accelerate launch --num_processes 2 ...` or the config's num_processes), or use a config "
+            "without FSDP."
+        )
+    if kind != DistributedType.MULTI_CPU or accelerator.device.type != "cpu":
+        raise ShardingError(
+            f"FSDP was asked for, but Accelerate set up {kind.value} on {accelerator.device.type}; it would not "
+            "shard. Use an accelerate config with `distributed_type: FSDP` and nothing else (no DeepSpeed)."
+        )
+    # What AcceleratorState.__init__ does for FSDP on accelerator devices (accelerate/state.py, 1.15), including
+    # the copy into PartialState: every later AcceleratorState() (the optimizer wrapper makes one) re-reads
+    # PartialState's distributed_type into the shared state, which would turn it back into MULTI_CPU.
+    if state._mixed_precision != "no":
+        plugin.set_mixed_precision(state._mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+# ------------------------------------------------------------------------------------------------------ wrapping
+def _class_names(model, wanted) -> list[str]:
+    names = []
+    present = {type(m).__name__ for m in model.modules()}
+    for cls in wanted:
+        name = cls if isinstance(cls, str) else cls.__name__
+        if name not in present:
+            raise ShardingError(
+                f"FSDP wrapping: the model has no module of class {name}. Name classes the model uses "
+                f"(the recipe's fsdp_wrap / fsdp_transformer_layer_cls_to_wrap), e.g. one of "
+                f"{', '.join(sorted(present)[:8])}."
+            )
+        names.append(name)
+    return names
+
+
+def configure_wrapping(plugin, model, wrap=None) -> str:
+    """Set the plugin's auto-wrap policy for this model and say what it is. Each FSDP unit's parameters are
+    all-gathered together just before its forward and freed after, so units bound the peak memory.
+
+    The config's `fsdp_auto_wrap_policy` decides; TRANSFORMER_BASED_WRAP (the wizard's), or no policy given,
+    wraps, in this order of precedence: the config's
+    `fsdp_transformer_layer_cls_to_wrap`, the recipe's `wrap` (a list of module classes or class names), the
+    model's `_no_split_modules` (transformers' transformer blocks). A model with none of these would be one
+    unit under Accelerate's transformer policy; it gets size-based wrapping (DEFAULT_MIN_NUM_PARAMS) instead.
+    SIZE_BASED_WRAP and NO_WRAP (root unit only) in the config are kept as they are."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    policy = plugin.auto_wrap_policy
+    policy = getattr(policy, "func", policy)  # set_auto_wrap_policy may have made it a functools.partial
+    explicit = os.environ.get("FSDP_AUTO_WRAP_POLICY", "").upper()
+    if policy is size_based_auto_wrap_policy:
+        return f"size-based: submodules over {plugin.min_num_params} parameters"
+    if policy is None and explicit == "NO_WRAP":
+        return "no wrap: the whole model is one unit (the config's NO_WRAP)"
+    if policy is not None and policy is not transformer_auto_wrap_policy:
+        return f"the plugin's own policy {policy!r}"  # a user-built plugin; Accelerate decides what it does
+    if plugin.transformer_cls_names_to_wrap:
+        names, source = _class_names(model, plugin.transformer_cls_names_to_wrap), "the config"
+    elif wrap:
+        names, source = _class_names(model, wrap), "the recipe"
+    elif getattr(model, "_no_split_modules", None):
+        names, source = _class_names(model, model._no_split_modules), "_no_split_modules"
+    else:
+        plugin.auto_wrap_policy = size_based_auto_wrap_policy
+        plugin.min_num_params = DEFAULT_MIN_NUM_PARAMS
+        return f"size-based: submodules over {DEFAULT_MIN_NUM_PARAMS} parameters (no transformer blocks named)"
+    plugin.auto_wrap_policy = transformer_auto_wrap_policy
+    plugin.transformer_cls_names_to_wrap = names
+    return f"transformer blocks {', '.join(names)} (from {source})"
+
+
+# ----------------------------------------------------------------------------------------------------- preparing
+def prepare_sharded(accelerator, model, optimizer, *others, wrap=None):
+    """`accelerator.prepare(model, optimizer, *others)`; under FSDP first the wrapping policy for this model,
+    after it the check that the model really is sharded. Returns the prepared objects in the same order.
+    FSDP2 needs the model and its optimizer in the same prepare() call: the optimizer's parameters are swapped
+    for the sharded ones there."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        if fsdp_requested():
+            raise ShardingError(
+                f"The launcher asks for FSDP but the Accelerator runs {accelerator.distributed_type.value}: build it "
+                "with fsdp_plugin=sharding.fsdp_plugin() and call sharding.activate_fsdp()."
+            )
+        return accelerator.prepare(model, optimizer, *others)
+    plugin = accelerator.state.fsdp_plugin
+    description = configure_wrapping(plugin, model, wrap)
+    prepared = accelerator.prepare(model, optimizer, *others)
+    info = assert_sharded(accelerator, prepared[0])
+    info["wrap"] = description
+    accelerator.sharding_info = info  # for run_config.json: what each rank holds
+    return prepared
+
+
+def _fsdp_root(model):
+    return getattr(model, "_orig_mod", model)  # torch.compile wraps the FSDP module
+
+
+def assert_sharded(accelerator, model) -> dict:
+    """Check that `model` is sharded by FSDP2 over every process of this world; raise ShardingError saying what
+    it is instead. Returns what this rank holds: {"world_size", "fsdp_modules", "params", "params_local",
+    "param_bytes_local", ...}."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    world = accelerator.num_processes
+    root = _fsdp_root(model)
+    if accelerator.distributed_type != DistributedType.FSDP or not isinstance(root, FSDPModule):
+        raise ShardingError(
+            f"FSDP was asked for but the model is {type(root).__name__} under {accelerator.distributed_type.value}: "
+            "it is not sharded (Accelerate falls back to DDP on CPU unless sharding.activate_fsdp is called)."
+        )
+    total = local = local_bytes = 0
+    for name, p in root.named_parameters():
+        if not isinstance(p, DTensor):
+            raise ShardingError(f"FSDP: parameter {name} is a plain tensor, not sharded (every rank holds all of it).")
+        if p.device_mesh.size() != world or not any(isinstance(pl, Shard) for pl in p.placements):
+            raise ShardingError(
+                f"FSDP: parameter {name} is placed {p.placements} on a mesh of {p.device_mesh.size()} processes; "
+                f"expected sharded over all {world}."
+            )
+        total += p.numel()
+        local += p.to_local().numel()
+        local_bytes += p.to_local().numel() * p.element_size()
+    fsdp_modules = sum(isinstance(m, FSDPModule) for m in root.modules())
+    return {
+        "sharded": "fsdp2",
+        "world_size": world,
+        "fsdp_modules": fsdp_modules,  # modules fully_shard was applied to (a list shares one unit)
+        "params": total,
+        "params_local": local,
+        "param_bytes_local": local_bytes,
+    }
+
+
+# --------------------------------------------------------------------------------------------------- what it holds
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def rank_state_bytes(model, optimizer=None) -> dict:
+    """Bytes this process holds now for parameters, gradients and optimizer state (the local shards under
+    FSDP; everything under DDP/1 process). Gradients and optimizer state exist after the first step."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer -> torch optimizer
+    params = [p for p in model.parameters()]
+    out = {
+        "param_bytes": sum(_local(p).numel() * p.element_size() for p in params),
+        "grad_bytes": sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optimizer_bytes": 0,
+    }
+    if opt is not None:
+        for state in opt.state.values():
+            for v in state.values():
+                if torch.is_tensor(v):
+                    out["optimizer_bytes"] += _local(v).numel() * v.element_size()
+    return out
+
+
+def rank_holdings(accelerator, model, optimizer=None) -> list[dict]:
+    """rank_state_bytes of every rank (with the sharding info of prepare_sharded), in rank order, on every rank:
+    for run_config.json. Collective with several processes: every rank calls it."""
+    mine = rank_state_bytes(model, optimizer) | getattr(accelerator, "sharding_info", {})
+    if accelerator.num_processes == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    out = [None] * accelerator.num_processes
+    dist.all_gather_object(out, mine)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+def refuse_ema(accelerator, ema_decay: float) -> None:
+    """The EMA copy is a full deep copy of the model on every rank (torch AveragedModel): under FSDP it would
+    copy DTensor shards and FSDP hooks, or undo the memory saving. Refused rather than kept half-working."""
+    if ema_decay > 0 and accelerator.distributed_type == DistributedType.FSDP:
+        raise ShardingError(
+            "--ema_decay is not supported with FSDP: the EMA would be a full copy of the model on every process. "
+            "Drop --ema_decay, or train with DDP (an accelerate config without FSDP) to keep an EMA."
+        )
+
+
+# ----------------------------------------------------------------------------------------------- the full model
+def full_state_dict(accelerator, model) -> dict:
+    """The full, unsharded, prefix-free state dict on the main process ({} on the others). Collective under
+    FSDP: every rank must call it. `accelerator.get_state_dict` gathers FSDP2 shards to rank 0 on the CPU."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        sd = accelerator.get_state_dict(model)
+        return sd if accelerator.is_main_process else {}
+    if not accelerator.is_main_process:
+        return {}
+    return accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
+
+
+def _tied_names(model) -> list[list[str]]:
+    """Groups of state-dict names that are one tensor (tied weights, e.g. GPT-2's lm_head and wte)."""
+    by_id: dict[int, list[str]] = {}
+    root = _fsdp_root(model)
+    for name, t in list(root.named_parameters(remove_duplicate=False)) + list(
+        root.named_buffers(remove_duplicate=False)
+    ):
+        by_id.setdefault(id(t), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def save_full_model(accelerator, model, path: str) -> str:
+    """Write the full model as plain safetensors (no `module.`/`_orig_mod.` prefixes, loadable with
+    `safetensors.torch.load_model` into the unwrapped model on one process). Every rank calls it; the main one
+    writes (tmp file + rename). Tied weights are stored once, under the name safetensors' save_model keeps (the
+    first in sorted order), with the same `{dropped: kept}` metadata, so FSDP and DDP runs write the same keys."""
+    from safetensors.torch import save_file
+
+    accelerator.wait_for_everyone()
+    sd = full_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        metadata = {"format": "pt"}
+        for names in _tied_names(accelerator.unwrap_model(model, keep_torch_compile=False)):
+            present = sorted(n for n in names if n in sd)
+            for dropped in present[1:]:
+                metadata[dropped] = present[0]
+                del sd[dropped]
+        sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+        tmp = path + ".tmp"
+        save_file(sd, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+    return path

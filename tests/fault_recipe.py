@@ -1,0 +1,72 @@
+"""The regression recipe with faults injected through the Trainer's named events, for the fault-tolerance tests.
+Nothing of this lives in the Trainer: it is a recipe that attaches to update_end and checkpoint_staged.
+
+    --faults "key=value,..."   step_delay=S   sleep S s after every update (slows a run so a test can kill it)
+                               save_delay=S   sleep S s while a checkpoint is staged, before its commit (a kill
+                                              lands mid-save)
+                               exit_at=R:N    rank R exits with status 3 after update N, on the first elastic
+                                              attempt only
+                               hang_at=R:N    rank R stops making progress after update N (SIGTERM ends it)
+"""
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+import regression  # noqa: E402
+from regression import (  # noqa: E402,F401
+    build_data,
+    build_metrics,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    configure,
+    defaults,
+    eval_step,
+    loss,
+)
+
+from accel_trainer.faults import restart_count  # noqa: E402
+
+name = "regression"
+
+
+@dataclass
+class Args(regression.Args):
+    faults: str = ""  # see the module docstring
+
+
+def _faults(trainer) -> dict:
+    spec = {}
+    for item in filter(None, (s.strip() for s in trainer.recipe_args.faults.split(","))):
+        key, _, value = item.partition("=")
+        if key not in ("step_delay", "save_delay", "exit_at", "hang_at"):
+            raise ValueError(f"--faults: unknown key {key!r}")
+        spec[key] = float(value) if key.endswith("delay") else tuple(int(v) for v in value.split(":"))
+    return spec
+
+
+def on_update_end(trainer):
+    f, rank, step = _faults(trainer), trainer.accelerator.process_index, trainer.global_step
+    time.sleep(f.get("step_delay", 0))
+    if f.get("exit_at") == (rank, step) and restart_count() == 0:
+        print(f"[test fault] rank {rank} exits with status 3 after step {step}", file=sys.stderr, flush=True)
+        os._exit(3)
+    if f.get("hang_at") == (rank, step):
+        print(f"[test fault] rank {rank} hangs after step {step}", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        while True:
+            time.sleep(1)
+
+
+def on_checkpoint_staged(trainer, folder):
+    time.sleep(_faults(trainer).get("save_delay", 0))
+
+
+if __name__ == "__main__":
+    from accel_trainer import run
+
+    run(sys.modules[__name__])

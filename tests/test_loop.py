@@ -1,0 +1,169 @@
+"""The training loop's pieces, in-process: the accumulation-window generator (no model needed), named events, and
+the loop's answers to odd input (a lying loader, a skipped NaN update, data options on a recipe's own loader)."""
+
+import math
+import os
+import signal
+import sys
+import types
+
+import pytest
+import torch
+from helpers import RECIPES
+
+sys.path.insert(0, RECIPES)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import batchloader_recipe  # noqa: E402
+import regression  # noqa: E402
+
+from accel_trainer import Trainer  # noqa: E402
+from accel_trainer.trainer import ShortEpochError, accumulation_windows  # noqa: E402
+
+
+def epochs_of(n_batches):
+    """epoch_batches(epoch, skip) over labelled fake batches: (epoch, index)."""
+    return lambda epoch, skip: iter([(epoch, i) for i in range(skip, n_batches)])
+
+
+def take_windows(gen, n):
+    return [next(gen) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ the window generator
+def test_windows_are_aligned_to_epochs_and_the_last_may_be_short():
+    got = take_windows(accumulation_windows(epochs_of(5), 5, 2), 6)
+    assert [(e, pos, [i for _, i in w]) for e, pos, w in got] == [
+        (0, 2, [0, 1]),
+        (0, 4, [2, 3]),
+        (0, 5, [4]),  # the epoch's last window is shorter; the next epoch starts a fresh window
+        (1, 2, [0, 1]),
+        (1, 4, [2, 3]),
+        (1, 5, [4]),
+    ]
+    assert all(b[0] == e for e, _, w in got for b in w)  # every batch comes from the epoch it is counted in
+
+
+def test_windows_resume_mid_epoch_at_a_window_boundary():
+    got = take_windows(accumulation_windows(epochs_of(5), 5, 2, epoch=3, start=2), 3)
+    assert [(e, pos, [i for _, i in w]) for e, pos, w in got] == [(3, 4, [2, 3]), (3, 5, [4]), (4, 2, [0, 1])]
+
+
+def test_windows_stop_at_len_when_a_loader_yields_more():
+    got = take_windows(accumulation_windows(epochs_of(7), 4, 4), 2)
+    assert [(e, pos, len(w)) for e, pos, w in got] == [(0, 4, 4), (1, 4, 4)]
+
+
+def test_a_loader_that_yields_fewer_batches_than_its_len_is_an_error():
+    gen = accumulation_windows(epochs_of(3), 5, 2)
+    assert next(gen)[1] == 2
+    with pytest.raises(ShortEpochError, match=r"yielded 3 batches in epoch 0 but its len\(\) is 5"):
+        next(gen)
+
+
+# ------------------------------------------------------------------------------------------ through the Trainer
+@pytest.fixture
+def deadline():
+    """A hang (the bug this file guards against: an epoch re-entered forever) fails the test instead."""
+
+    def expired(*_):
+        raise TimeoutError("the Trainer did not return within 120 s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_fit_stops_on_a_lying_loader_instead_of_repeating_the_epoch(tmp_path, deadline):
+    def build_data(ctx):
+        data = batchloader_recipe.build_data(ctx)
+        make = data["loader"]
+
+        return dict(data, loader=lambda dataset, **kw: LyingLoader(make(dataset, **kw)))
+
+    recipe = types.SimpleNamespace(**{k: getattr(batchloader_recipe, k) for k in ("Args", "build_model", "loss")})
+    recipe.build_data, recipe.name = build_data, "lying"
+    t = Trainer.from_recipe(recipe, output_dir=str(tmp_path / "o"), num_train_epochs=2, quiet=True, disable_tqdm=True)
+    with pytest.raises(ShortEpochError, match="len"):
+        t.fit()
+
+
+class LyingLoader:
+    """Claims two batches more per epoch than it yields."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner) + 2
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+
+
+def test_data_options_apply_to_a_recipes_own_batch_loader(tmp_path):
+    # 40 samples in global batches of 16: 3 batches per epoch, 2 with --dataloader_drop_last. Both options used to
+    # be ignored for batch loaders (which got the whole dataset and no drop_last).
+    common = dict(quiet=True, disable_tqdm=True, per_device_train_batch_size=16, max_train_samples=40)
+    t = Trainer.from_recipe(batchloader_recipe, output_dir=str(tmp_path / "a"), **common)
+    assert t.micro_batches_per_epoch == 3
+    t = Trainer.from_recipe(batchloader_recipe, output_dir=str(tmp_path / "b"), dataloader_drop_last=True, **common)
+    assert t.micro_batches_per_epoch == 2
+    assert sum(len(b["x"]) for b in t.train_loader) == 32
+
+
+def test_nan_skip_records_the_skipped_update(tmp_path):
+    """A skipped update is an update: train_step returns its NaN loss (not the previous loss, and no IndexError
+    when it is the first), and the logged grad_norm is not left over from an earlier update."""
+    calls = {"n": 0}
+
+    def loss(model, batch):  # NaN in the 1st and 3rd updates
+        value, n = regression.loss(model, batch)
+        calls["n"] += 1
+        return (value * float("nan") if calls["n"] in (1, 3) else value), n
+
+    recipe = types.SimpleNamespace(
+        **{k: getattr(regression, k) for k in ("Args", "build_model", "build_data", "defaults")}
+    )
+    recipe.loss, recipe.name = loss, "nan_first"
+    t = Trainer.from_recipe(recipe, output_dir=str(tmp_path / "o"), nan_policy="skip", quiet=True)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    assert math.isnan(t.train_step())
+    assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters()))  # nothing changed
+    event = t.log()
+    assert event["skipped_steps"] == 1 and event["step"] == 1 and "grad_norm" not in event
+    assert math.isfinite(t.train_step())
+    event = t.log()
+    assert event["step"] == 2 and math.isfinite(event["grad_norm"]) and event["skipped_steps"] == 1
+    assert math.isnan(t.train_step())  # not update 2's loss
+    event = t.log()
+    assert event["step"] == 3 and event["skipped_steps"] == 2 and "grad_norm" not in event  # not update 2's
+
+
+def test_events_fire_in_order_and_evaluate_end_adds_metrics(tmp_path):
+    t = Trainer.from_recipe(
+        regression, output_dir=str(tmp_path / "o"), max_steps=4, save_steps=2, quiet=True, disable_tqdm=True
+    )
+    seen = []
+    t.on("update_end", lambda tr: seen.append(("update_end", tr.global_step)))
+    t.on("checkpoint_staged", lambda tr, folder: seen.append(("staged", os.path.basename(folder))))
+    t.on("checkpoint_written", lambda tr, path: seen.append(("written", os.path.basename(path))))
+    t.on("evaluate_end", lambda tr, m, final: seen.append(("evaluate_end", final)) or {"eval_extra": 1.0})
+    t.on("fit_end", lambda tr, m: seen.append(("fit_end", sorted(m))))
+    final = t.fit()
+    assert seen[:5] == [
+        ("update_end", 1),
+        ("update_end", 2),
+        ("staged", ".tmp_step_2"),
+        ("written", "step_2"),
+        ("update_end", 3),
+    ]
+    assert seen[-4:] == [("evaluate_end", True), ("staged", ".tmp_step_4"), ("written", "step_4"),
+                         ("fit_end", sorted(final))]  # fmt: skip
+    assert final["eval_extra"] == 1.0 and "eval_rmse" in final  # ours and the recipe's on_evaluate_end
+    with pytest.raises(ValueError, match="Unknown event 'update_start'"):
+        t.on("update_start", print)

@@ -1,0 +1,54 @@
+"""The README's notebook example, executed as written in a real Jupyter kernel (nbclient + ipykernel), in the
+order a person debugs: build, fetch_batch, train_step, overfit_batch, fit, a second Trainer in the same kernel,
+then notebook_launcher with 2 processes whose run records a world of 2."""
+
+import json
+import os
+import re
+
+import nbformat
+from helpers import ROOT
+from nbclient import NotebookClient
+
+
+def readme_notebook_cells() -> list[str]:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = text[text.index("## Notebooks and debugging") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return [cell.strip() for cell in re.split(r"\n\s*\n", code) if cell.strip()]  # a cell per paragraph
+
+
+def test_readme_notebook_example_runs_in_a_real_kernel(tmp_path):
+    cells = readme_notebook_cells()
+    assert any("notebook_launcher(train, num_processes=2)" in c for c in cells)
+    setup = f"import os, sys\nsys.path.insert(0, {ROOT!r})\nos.environ['OMP_NUM_THREADS'] = '1'"
+    checks = [
+        # overfit_batch: the loss on one batch falls by more than half
+        "assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])",
+        "print('LOSSES', losses[0], losses[-1])",
+    ]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in [setup] + cells + checks]
+    env_before = os.environ.get("WORLD_SIZE")
+    os.environ.pop("WORLD_SIZE", None)
+    try:
+        NotebookClient(
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
+    finally:
+        if env_before is not None:
+            os.environ["WORLD_SIZE"] = env_before
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+
+    def run_config(name):
+        with open(tmp_path / "out" / name / "run_config.json") as f:
+            return json.load(f)
+
+    first, second, launched = run_config("nb"), run_config("nb2"), run_config("nb3")
+    assert first["num_processes"] == 1 and first["args"]["learning_rate"] == 1e-2  # the recipe's, as on the CLI
+    assert first["args"]["max_steps"] == 200 and (tmp_path / "out" / "nb" / "model.safetensors").exists()
+    assert second["num_processes"] == 1 and second["recipe_args"]["hidden_size"] == 64
+    assert launched["num_processes"] == 2 and launched["topology"]["distributed_type"] == "MULTI_CPU"
+    assert (tmp_path / "out" / "nb3" / "model.safetensors").exists()

@@ -1,0 +1,98 @@
+"""What a run shows about itself: throughput/time/memory fields in every log row (combined over ranks), MFU from
+counted FLOPs, --profile_steps traces with collective time, --lr_scaling on 1 and 2 processes, and no progress
+bar flooding a log file. Real launches (`accelerate launch`, gloo) with the world size asserted."""
+
+import math
+import os
+import sys
+
+import pytest
+from helpers import RECIPES, metrics, run, run_config
+
+sys.path.insert(0, RECIPES)
+import regression  # noqa: E402
+
+from accel_trainer import Trainer  # noqa: E402
+
+FIELDS = ("samples_per_second", "items_per_second", "step_time_s", "data_wait_fraction", "peak_memory_mb")
+COMMON = ["--max_steps", "8", "--logging_steps", "2", "--save_steps", "0", "--lr_scheduler_type",
+          "constant_with_warmup", "--warmup_steps", "4", "--lr_scaling", "linear", "--lr_base_batch_size", "16",
+          "--profile_steps", "5-6", "--num_eval_samples", "16"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """1 process x batch 16 and 2 processes x batch 16: global batches of 16 and 32."""
+    out = {}
+    for nproc in (1, 2):
+        d = str(tmp_path_factory.mktemp(f"obs{nproc}"))
+        proc = run("regression.py", ["--output_dir", d, "--per_device_train_batch_size", "16"] + COMMON, nproc=nproc)
+        assert run_config(d)["num_processes"] == nproc
+        out[nproc] = (d, proc)
+    return out
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_every_train_row_has_throughput_time_and_memory(launched, nproc):
+    d, _ = launched[nproc]
+    rows = [m for m in metrics(d) if "loss" in m]
+    assert [m["step"] for m in rows] == [2, 4, 6, 8]
+    for m in rows:
+        assert all(m[k] > 0 or k == "data_wait_fraction" for k in FIELDS), m
+        assert 0 <= m["data_wait_fraction"] < 1
+        # the rate is over the global batch (summed over ranks), the step time the slowest rank's
+        assert m["samples_per_second"] * m["step_time_s"] == pytest.approx(16 * nproc, rel=0.25)
+        # every sample has 4 targets (no masking): items are all-reduced, not counted once per rank
+        assert m["items_per_second"] == pytest.approx(4 * m["samples_per_second"], rel=1e-6)
+        assert m["peak_memory_mb"] > 50  # a Python process with torch loaded: its peak RSS
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_lr_scaling_by_the_global_batch_composes_with_warmup(launched, nproc):
+    d, _ = launched[nproc]
+    lr = run_config(d)["learning_rate"]
+    assert lr == {"used": 1e-2 * nproc, "base": 1e-2, "scaling": "linear", "base_batch_size": 16}
+    assert run_config(d)["args"]["learning_rate"] == 1e-2 * nproc
+    rows = {m["step"]: m["learning_rate"] for m in metrics(d) if "loss" in m}
+    # warmup over 4 updates to the scaled value, then constant
+    assert rows[2] == pytest.approx(1e-2 * nproc * 2 / 4) and rows[6] == rows[8] == pytest.approx(1e-2 * nproc)
+
+
+def test_sqrt_lr_scaling(tmp_path):
+    t = Trainer.from_recipe(regression, output_dir=str(tmp_path), lr_scaling="sqrt", lr_base_batch_size=4,
+                            per_device_train_batch_size=16, gradient_accumulation_steps=2, quiet=True)  # fmt: skip
+    assert t.args.learning_rate == pytest.approx(1e-2 * math.sqrt(32 / 4))
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * math.sqrt(32 / 4))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_profile_traces_every_rank_and_names_collective_time(launched, nproc):
+    d, proc = launched[nproc]
+    files = os.listdir(os.path.join(d, "profile"))
+    for rank in range(nproc):
+        assert any(f.startswith(f"rank{rank}.") and f.endswith(".pt.trace.json") for f in files), files
+        assert f"summary_rank{rank}.txt" in files
+    assert "Profile of updates 5-6, rank 0" in proc.stdout and "in collectives" in proc.stdout
+    summary = open(os.path.join(d, "profile", "summary_rank0.txt")).read()
+    collective_ms = float(summary.split(" ms (")[0].rsplit(", ", 1)[1])
+    assert (collective_ms > 0) == (nproc == 2), summary  # gloo all-reduces on 2 processes, none on 1
+
+
+def test_no_progress_bar_off_a_terminal(launched):
+    _, proc = launched[1]
+    assert "\r" not in proc.stderr and "it/s" not in proc.stderr  # tqdm frames would flood a log file
+    assert sum(line.startswith("step=") and "samples_per_second=" in line for line in proc.stdout.splitlines()) == 4
+
+
+def test_mfu_from_the_counted_flops_of_an_update(tmp_path):
+    t = Trainer.from_recipe(regression, output_dir=str(tmp_path), peak_tflops=1.0, max_steps=4, logging_steps=2,
+                            save_steps=0, quiet=True, disable_tqdm=True)  # fmt: skip
+    t.fit()
+    # MLP 16 -> 32 -> 4, batch 16: forward 2*16*(16*32 + 32*4); backward: the second layer's input and weight
+    # gradients, the first layer's weight gradient only (its input needs none).
+    forward = 2 * 16 * (16 * 32 + 32 * 4)
+    assert t.meter.flops_per_update == forward + 2 * 16 * 32 * 4 * 2 + 2 * 16 * 16 * 32
+    rows = [m for m in metrics(t.args.output_dir) if "loss" in m]
+    for m in rows:
+        expected = t.meter.flops_per_update / m["step_time_s"] / 1e12
+        assert m["mfu"] == pytest.approx(expected, rel=0.05)
