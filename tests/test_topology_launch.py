@@ -194,6 +194,7 @@ def test_c10d_with_max_restarts_survives_one_worker_failure(tmp_path):
 
 
 WRAPPER = [sys.executable, "-m", "accel_trainer.cli", "launch"]
+FAULT_RECIPE = os.path.join(ROOT, "tests", "fault_recipe.py")  # regression + --faults step_delay=S (slows a run)
 
 
 def test_missing_peer_static_fails_within_bound_and_says_who(tmp_path):
@@ -413,11 +414,11 @@ def test_preemption_signal_to_the_launcher_alone_reaches_each_worker_once_and_ex
     import psutil
 
     out = tmp_path / "o"
-    cmd = WRAPPER + launch_cmd(2)[3:] + ["recipes/regression.py", "--output_dir", str(out), "--max_steps", "40"]
+    cmd = WRAPPER + launch_cmd(2)[3:] + [FAULT_RECIPE, "--faults", "step_delay=0.2", "--output_dir", str(out)]
     log = open(tmp_path / "log.txt", "w+")
-    e = env(ACCEL_TRAINER_TEST_FAULTS="step_delay=0.2")
+    e = env()
     proc = subprocess.Popen(
-        cmd + ["--logging_steps", "1", "--save_steps", "0", "--disable_tqdm"],
+        cmd + ["--max_steps", "40", "--logging_steps", "1", "--save_steps", "0", "--disable_tqdm"],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=e,

@@ -25,9 +25,13 @@ import netns
 import pytest
 from helpers import ROOT, assert_same_weights, env, run, run_config, weights
 
-pytestmark = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason())),
+]
 
 CLI = [sys.executable, "-m", "accel_trainer.cli"]
+FAULT_RECIPE = os.path.join(ROOT, "tests", "fault_recipe.py")
 STEPS, PER_DEVICE = 4, 4  # global batch 16: 2 machines x 2 processes x 4, or 1 process x 16
 DDP_TIMEOUT = 10  # seconds: the bound on every collective in the link-cut tests
 # A machine whose link is cut stops within this (see docs/topology.md, "Tested on a real network"): the collective
@@ -66,9 +70,14 @@ def wizard_lines(tmp_path, hosts, rdzv, restarts=0) -> tuple[str, list[list[str]
     return str(tmp_path / f"net_{rdzv}.yaml"), lines
 
 
-def start_both(hosts, tmp_path, lines, args, **extra_env):
+def start_both(hosts, tmp_path, lines, args, step_delay=None):
+    """Both machines' launch lines; with `step_delay`, the script is tests/fault_recipe.py (the regression recipe
+    slowed by S seconds per update, so that a link can be cut mid-run)."""
+    if step_delay is not None:
+        lines = [[FAULT_RECIPE if a == "recipes/regression.py" else a for a in line] for line in lines]
+        args = args + ["--faults", f"step_delay={step_delay}"]
     logs = [open(tmp_path / f"machine{r}.log", "w") for r in (0, 1)]
-    procs = [hosts.popen(r, lines[r] + args, logs[r], env=env(**extra_env), cwd=ROOT) for r in (0, 1)]
+    procs = [hosts.popen(r, lines[r] + args, logs[r], env=env(), cwd=ROOT) for r in (0, 1)]
     return procs, logs
 
 
@@ -143,7 +152,7 @@ def test_link_cut_mid_run_stops_both_machines_within_the_bound_naming_the_lost_r
     out = tmp_path / "run"
     args = ["--output_dir", str(out), "--max_steps", "400", "--per_device_train_batch_size", str(PER_DEVICE)]
     args += ["--ddp_timeout", str(DDP_TIMEOUT), "--logging_steps", "1", "--disable_tqdm"]
-    procs, _ = start_both(hosts, tmp_path, lines, args, ACCEL_TRAINER_TEST_FAULTS="step_delay=0.2")
+    procs, _ = start_both(hosts, tmp_path, lines, args, step_delay=0.2)
     wait_for(lambda: last_step(out) >= 3, 240, "training", procs)
     hosts.link(1, up=False)
     cut = time.monotonic()
@@ -168,7 +177,7 @@ def test_c10d_machine_that_comes_back_rejoins_and_the_run_resumes_and_completes(
     steps = 24
     args = ["--output_dir", str(out), "--max_steps", str(steps), "--per_device_train_batch_size", str(PER_DEVICE)]
     args += ["--ddp_timeout", str(DDP_TIMEOUT), "--logging_steps", "1", "--save_steps", "4", "--disable_tqdm"]
-    procs, _ = start_both(hosts, tmp_path, lines, args, ACCEL_TRAINER_TEST_FAULTS="step_delay=0.3")
+    procs, _ = start_both(hosts, tmp_path, lines, args, step_delay=0.3)
     wait_for(lambda: os.path.isdir(out / "checkpoints" / "step_8"), 240, "a checkpoint", procs)
     hosts.link(1, up=False)
     # Machine 0's workers fail (the collective times out) and its agent waits for a new rendezvous round.

@@ -15,16 +15,20 @@ import time
 
 import pytest
 import slurm_cluster
-from helpers import RECIPES, env, free_port, run_config
+from helpers import ROOT, env, free_port, run_config
 
 from accel_trainer import wizard
 from accel_trainer.faults import EXIT_PREEMPTED
 
-pytestmark = pytest.mark.skipif(slurm_cluster.skip_reason() is not None, reason=str(slurm_cluster.skip_reason()))
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(slurm_cluster.skip_reason() is not None, reason=str(slurm_cluster.skip_reason())),
+]
 
 # 256 samples, 2 ranks x 8 = global batch 16; dropout and masked targets make every random stream matter.
 ARGS = ["--max_steps", "16", "--per_device_train_batch_size", "8", "--logging_steps", "1", "--save_steps", "0"]
 ARGS += ["--dropout", "0.2", "--mask_prob", "0.3", "--disable_tqdm"]
+FAULT_RECIPE = os.path.join(ROOT, "tests", "fault_recipe.py")
 JOB_BOUND = 240  # seconds one job may take on a loaded 2-core machine
 
 
@@ -39,22 +43,24 @@ def cluster(tmp_path_factory):
 
 
 def batch_script(tmp_path) -> str:
-    """The wizard's script for one node x 2 CPU processes (absolute paths: the job runs in tmp_path)."""
+    """The wizard's script for one node x 2 CPU processes (absolute paths: the job runs in tmp_path). The script
+    trained is tests/fault_recipe.py: the regression recipe, which `--faults step_delay=S` slows down."""
     argv = ["--dir", str(tmp_path), "--name", "job", "--no-interactive", "--machines", "1"]
     argv += ["--processes-per-machine", "2", "--cpu", "--main-port", str(free_port()), "--slurm"]
-    assert wizard.main(argv + ["--script", os.path.join(RECIPES, "regression.py")]) == 0
+    assert wizard.main(argv + ["--script", FAULT_RECIPE]) == 0
     return str(tmp_path / "job.slurm.sh")
 
 
-def job_env(**extra) -> dict:
+def job_env() -> dict:
     # The job runs the console script `accel-trainer` from this Python's environment.
-    e = env(**extra)
+    e = env()
     e["PATH"] = os.path.dirname(sys.executable) + os.pathsep + e.get("PATH", "")
     return e
 
 
-def submit(cluster, tmp_path, out, **extra_env) -> tuple[str, str]:
-    job = cluster.sbatch(batch_script(tmp_path), ["--output_dir", str(out), *ARGS], str(tmp_path), job_env(**extra_env))
+def submit(cluster, tmp_path, out, faults=None) -> tuple[str, str]:
+    args = ["--output_dir", str(out), *ARGS] + (["--faults", faults] if faults else [])
+    job = cluster.sbatch(batch_script(tmp_path), args, str(tmp_path), job_env())
     return job, str(tmp_path / f"job-{job}.out")  # the script's `#SBATCH --output=%x-%j.out`
 
 
@@ -110,7 +116,7 @@ def test_generated_script_carries_what_preemption_needs(tmp_path):
 
 def test_preempted_job_checkpoints_requeues_itself_and_resumes_bit_identically(cluster, tmp_path, uninterrupted):
     out = tmp_path / "run"
-    job, log = submit(cluster, tmp_path, out, ACCEL_TRAINER_TEST_FAULTS="step_delay=0.3")
+    job, log = submit(cluster, tmp_path, out, faults="step_delay=0.3")
     cluster.wait_job(job, ("RUNNING",), JOB_BOUND, log)
     t0 = time.monotonic()
     while last_step(out) < 4:  # training, not starting up
