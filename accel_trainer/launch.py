@@ -231,6 +231,9 @@ def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_
     run = _Run(p)
     rc, output = run.wait()
     if rc != 0 and _PREEMPTED.search(output):
+        # From here on the answer is 75: a late SIGTERM (srun --kill-on-bad-exit ends the other nodes' tasks as soon
+        # as one exits 75) must not turn it into a death by signal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(
             f"accel-trainer launch: preempted: the workers wrote a checkpoint and stopped; exit {EXIT_PREEMPTED} "
             "(requeue the job, or rerun with --resume_from_checkpoint auto)",

@@ -404,7 +404,7 @@ class Route:
 
     def describe(self) -> str:
         via = f"interface {self.interface}" if self.interface else "an interface not found by name"
-        shown = self.main if self.main == self.main_ip else f"{self.main} ({self.main_ip})"
+        shown = self.main if self.main == self.main_ip else f"{self.main} = {self.main_ip}"
         if self.is_main:
             return f"this machine owns machine 0's address {shown} ({via})"
         return f"this machine reaches machine 0's address {shown} from {self.local_ip} ({via})"

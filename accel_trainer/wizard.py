@@ -123,14 +123,17 @@ def slurm_script(
             f"--rdzv_conf {topology.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}"
         )
     requeue_line = "#SBATCH --requeue\n" if requeue else ""
+    # Preempted: a launcher said 75, or the notice came and the run did not finish (with several nodes, srun's
+    # --kill-on-bad-exit may end the other nodes' tasks while they report 75, and srun then returns their signal).
+    preempted = f'[ "$rc" -eq {EXIT_PREEMPTED} ] || {{ [ "$rc" -ne 0 ] && [ -n "$NOTICE" ]; }}'
     on_75 = (
-        f"""if [ "$rc" -eq {EXIT_PREEMPTED} ]; then
+        f"""if {preempted}; then
     echo "preempted: the checkpoint is written; requeueing job $SLURM_JOB_ID (it resumes from the checkpoint)"
     scontrol requeue "$SLURM_JOB_ID"
 fi
 """
         if requeue
-        else f"""if [ "$rc" -eq {EXIT_PREEMPTED} ]; then
+        else f"""if {preempted}; then
     echo "preempted: the checkpoint is written; resubmit this script to resume (written with --no-requeue)"
 fi
 """
@@ -150,8 +153,8 @@ set -uo pipefail
 export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MAIN_PORT={config.main_process_port or topology.DEFAULT_PORT}
 {restart_env}echo "job $SLURM_JOB_ID start (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST"
-SRUN=
-trap 'echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
+SRUN= NOTICE=
+trap 'NOTICE=1; echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
 srun --kill-on-bad-exit=1 bash -c 'exec accel-trainer launch --config_file {config_path} \\
     --machine_rank "$SLURM_NODEID" \\
     --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT"{rdzv}{restarts} \\

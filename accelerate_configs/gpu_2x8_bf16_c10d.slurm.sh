@@ -16,8 +16,8 @@ export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MAIN_PORT=29500
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 echo "job $SLURM_JOB_ID start (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"
-SRUN=
-trap 'echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
+SRUN= NOTICE=
+trap 'NOTICE=1; echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
 srun --kill-on-bad-exit=1 bash -c 'exec accel-trainer launch --config_file accelerate_configs/gpu_2x8_bf16_c10d.yaml \
     --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \
@@ -27,7 +27,7 @@ SRUN=$!
 # `wait` returns early when the trap runs: wait again until srun has really ended.
 while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || break; done
 echo "job $SLURM_JOB_ID: the launchers exited with $rc"
-if [ "$rc" -eq 75 ]; then
+if [ "$rc" -eq 75 ] || { [ "$rc" -ne 0 ] && [ -n "$NOTICE" ]; }; then
     echo "preempted: the checkpoint is written; requeueing job $SLURM_JOB_ID (it resumes from the checkpoint)"
     scontrol requeue "$SLURM_JOB_ID"
 fi

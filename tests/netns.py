@@ -54,8 +54,14 @@ class TwoHosts:
             _ip("-n", ns, "link", "set", "lo", "up")
         return self
 
-    def cmd(self, machine: int, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.ns[machine], *argv]
+    def cmd(self, machine: int, argv: list[str], hosts_file: str | None = None) -> list[str]:
+        """`argv` on machine `machine`. With `hosts_file`: in a private mount namespace where that file is
+        /etc/hosts (host names for the machines; nothing outside changes), entering only the network namespace
+        (`ip netns exec` would also remount /sys, hiding the cgroup file systems slurmd needs)."""
+        if hosts_file is None:
+            return ["ip", "netns", "exec", self.ns[machine], *argv]
+        script = 'mount --bind "$0" /etc/hosts && exec nsenter --net=/run/netns/' + self.ns[machine] + ' "$@"'
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, hosts_file, *argv]
 
     def popen(self, machine: int, argv: list[str], log, **kw) -> subprocess.Popen:
         p = subprocess.Popen(

@@ -1,5 +1,8 @@
-"""A real one-node SLURM cluster in a temporary folder: munged, slurmctld and slurmd (Debian's slurm-wlm, which
-`.ci/run` installs; nothing is installed here), with a generated slurm.conf, free ports, everything on loopback.
+"""A real SLURM cluster in a temporary folder: munged, slurmctld and slurmd (Debian's slurm-wlm, which `.ci/run`
+installs; nothing is installed here), with a generated slurm.conf and free ports. One node on loopback, or two
+nodes on two network namespaces (tests/netns.py): slurmctld and node 0 at 10.77.0.1, node 1 at 10.77.0.2, each
+slurmd in its namespace with the node names in its own /etc/hosts (a private mount namespace; nothing outside the
+temporary folder changes).
 
 `stop()` cancels the jobs and ends every process this started (the daemons by pid, the job steps by their
 SLURM_CONF), whatever state they are in. Needs root (slurmd runs jobs as their user) and the binaries.
@@ -17,6 +20,10 @@ import time
 
 import psutil
 
+# How long a job credential lives, which is also how long SLURM holds a requeued job before it may start again
+# (default 120 s): shorter, with a scheduler pass every 2 s (default 60 s), so that a requeued job restarts within
+# seconds here.
+CRED_EXPIRE_S = 10
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
 
 
@@ -40,11 +47,19 @@ def _which(b: str) -> str:
 
 
 class LocalSlurm:
-    def __init__(self, root):
+    def __init__(self, root, hosts=None):
         self.root = str(root)
         self.conf = os.path.join(self.root, "slurm.conf")
         self.daemons: list[subprocess.Popen] = []
-        self.node = socket.gethostname()
+        self.hosts = hosts  # netns.TwoHosts: two nodes, one per namespace
+        if hosts is None:
+            self.nodes = [(socket.gethostname(), "127.0.0.1")]
+        else:
+            self.nodes = [(f"{ns}n", addr) for ns, addr in zip(hosts.ns, hosts.addr)]
+        self.node = self.nodes[0][0]
+
+    def _in(self, machine: int, argv: list[str]) -> list[str]:
+        return argv if self.hosts is None else self.hosts.cmd(machine, argv, self._path("hosts"))
 
     @property
     def env(self) -> dict:
@@ -54,7 +69,7 @@ class LocalSlurm:
         return os.path.join(self.root, *p)
 
     def start(self, timeout: float = 60):
-        for d in ("state", "spool", "log"):
+        for d in ("state", "log", *(os.path.join("spool", n) for n, _ in self.nodes)):
             os.makedirs(self._path(d), exist_ok=True)
         key = self._path("munge.key")
         with open(key, "wb") as f:
@@ -62,34 +77,38 @@ class LocalSlurm:
         os.chmod(key, 0o400)
         sock = self._path("munge.sock")
         cpus = os.cpu_count() or 2
+        nodes = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={cpus} State=UNKNOWN" for n, a in self.nodes)
+        with open(self._path("hosts"), "w") as f:  # the node names, for the namespaces' /etc/hosts
+            f.write("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in self.nodes))
         with open(self.conf, "w") as f:
             f.write(
                 f"""ClusterName=accel_trainer_test
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={socket.gethostname()}({self.nodes[0][1]})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={sock}
+AuthInfo=socket={sock},cred_expire={CRED_EXPIRE_S}
 CredType=cred/munge
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 StateSaveLocation={self._path("state")}
-SlurmdSpoolDir={self._path("spool")}
+SlurmdSpoolDir={self._path("spool")}/%n
 SlurmctldPidFile={self._path("slurmctld.pid")}
-SlurmdPidFile={self._path("slurmd.pid")}
+SlurmdPidFile={self._path("slurmd-%n.pid")}
 SlurmctldLogFile={self._path("log", "slurmctld.log")}
-SlurmdLogFile={self._path("log", "slurmd.log")}
+SlurmdLogFile={self._path("log", "slurmd-%n.log")}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+{nodes}
+PartitionName=test Nodes={",".join(n for n, _ in self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """
             )
         env = {**os.environ, **self.env}
@@ -104,11 +123,14 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             f"--log-file={self._path('log', 'munged.log')}",
             f"--seed-file={self._path('munged.seed')}",
         ]
-        for cmd in (munged, [_which("slurmctld"), "-D", "-f", self.conf], [_which("slurmd"), "-D", "-f", self.conf]):
+        cmds = [munged, self._in(0, [_which("slurmctld"), "-D", "-f", self.conf])]
+        for i, (name, _) in enumerate(self.nodes):
+            cmds.append(self._in(i, [_which("slurmd"), "-D", "-f", self.conf, "-N", name]))
+        for cmd in cmds:
             self.daemons.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
             if cmd is munged:
                 self._until(lambda: os.path.exists(sock), 20, "munged did not create its socket")
-        self._until(lambda: self.node_state() in ("idle", "mixed"), timeout, "the node did not become idle")
+        self._until(lambda: self.node_state() in ("idle", "mixed"), timeout, "the nodes did not become idle")
         return self
 
     def _until(self, cond, timeout, what):
@@ -119,29 +141,29 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                 raise RuntimeError(f"{what} (dead: {dead}); logs:\n{self.logs()}")
             time.sleep(0.3)
 
-    def cmd(self, *argv, timeout=30, check=True, **kw) -> subprocess.CompletedProcess:
+    def cmd(self, *argv, timeout=30, check=True, env=None, **kw) -> subprocess.CompletedProcess:
+        """A SLURM client command (sbatch, scontrol, ...) against this cluster, from node 0."""
         return subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout, check=check, env=kw.pop("env", None), **kw
+            self._in(0, list(argv)),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+            env={**(env or os.environ), **self.env},
+            **kw,
         )
 
     def node_state(self) -> str:
-        r = subprocess.run(
-            ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10, env={**os.environ, **self.env}
-        )
-        return r.stdout.strip()
+        """The state of every node, or the one state they share ("idle")."""
+        states = set(self.cmd("sinfo", "-h", "-N", "-o", "%t", check=False, timeout=10).stdout.split())
+        return states.pop() if len(states) == 1 else ",".join(sorted(states))
 
     def sbatch(self, script: str, args: list[str], cwd: str, env: dict) -> str:
-        r = self.cmd("sbatch", "--parsable", script, *args, cwd=cwd, env={**env, **self.env})
+        r = self.cmd("sbatch", "--parsable", script, *args, cwd=cwd, env=env)
         return r.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict:
-        r = subprocess.run(
-            ["scontrol", "-o", "show", "job", job_id],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            env={**os.environ, **self.env},
-        )
+        r = self.cmd("scontrol", "-o", "show", "job", job_id, check=False, timeout=10)
         return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
 
     def wait_job(self, job_id: str, states: tuple[str, ...], timeout: float, log: str | None = None) -> dict:
@@ -157,7 +179,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def logs(self) -> str:
         out = []
-        for name in ("daemons.out", "slurmctld.log", "slurmd.log"):
+        for name in ("daemons.out", "slurmctld.log", *(f"slurmd-{n}.log" for n, _ in self.nodes)):
             p = self._path("log", name)
             if os.path.exists(p):
                 out.append(f"--- {name}\n" + open(p).read()[-3000:])
@@ -177,9 +199,8 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         return mine
 
     def stop(self):
-        env = {**os.environ, **self.env}
         try:
-            subprocess.run(["scancel", "--full", "--user", "root"], env=env, timeout=10, capture_output=True)
+            self.cmd("scancel", "--full", "--user", "root", check=False, timeout=10)
         except (subprocess.TimeoutExpired, OSError):
             pass
         for d in reversed(self.daemons):  # slurmd, slurmctld, munged
