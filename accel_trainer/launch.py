@@ -20,6 +20,7 @@ import re
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -284,8 +285,6 @@ class _MachineZeroWatch:
             stats = psutil.net_if_stats().get(iface)
             if stats is not None and not stats.isup:
                 return False, f"this machine's interface {iface} is down"
-        import socket
-
         try:
             with socket.create_connection((self.route.main_ip, self.port), timeout=self.PROBE_S):
                 return True, ""
@@ -324,7 +323,6 @@ class _Run:
     def __init__(self, p: Plan):
         self.plan, self.signalled, self.forwarded, self.signal_at = p, None, False, 0.0
         self.received: set[int] = set()
-        self.terms = 0
         self.proc = subprocess.Popen(
             p.cmd,
             stdout=subprocess.PIPE,
@@ -341,8 +339,7 @@ class _Run:
         if self.signalled is None:
             self.signalled, self.signal_at = name, time.monotonic()
             os.write(2, f"accel-trainer launch: {name}: the workers checkpoint and stop\n".encode())
-        elif signum == signal.SIGTERM:
-            self.terms += 1  # a second SIGTERM: stop now (the agent terminates the workers)
+        elif signum == signal.SIGTERM:  # a second SIGTERM: stop now (the agent terminates the workers)
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
 
