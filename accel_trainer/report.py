@@ -4,11 +4,12 @@ Reads each run's `metrics.jsonl` and draws, one panel per quantity, every numeri
 eval_loss dashed on the same axes), each eval metric, the learning rate, the gradient norm, and -- when the run
 logged them -- throughput, step time, data wait, peak memory, MFU, fp16 loss scale and skipped steps. A field no
 run logged gets no panel. Each panel is drawn against optimizer updates (`step`) and against wall time
-(`elapsed_s`, summed over restarts when a resumed run started its clock again); `--x step|time` keeps one view.
+(`elapsed_s`, summed over restarts when a resumed run started its clock again), side by side; `--x step|time`
+keeps one view and `--cols N` puts N panels in a row.
 Runs are overlaid, one colour each, labelled by their folder name or `--labels`:
 
     accel-trainer report runs/reg_1proc runs/reg_2proc --out report.png
-    accel-trainer report runs/a runs/b --labels "1 process" "2 processes" --x time --out time.png
+    accel-trainer report runs/a runs/b --labels "1 process" "2 processes" --x time --cols 3 --out time.png
 
 matplotlib is imported only here (Agg backend: no display needed).
 """
@@ -163,12 +164,24 @@ def _check_out(out: str, fig) -> None:
 
 
 def plot_runs(
-    run_dirs: list[str], out: str, labels: list[str] | None = None, x: str = "both", dpi: int = 100
+    run_dirs: list[str],
+    out: str,
+    labels: list[str] | None = None,
+    x: str = "both",
+    dpi: int = 100,
+    cols: int | None = None,
 ) -> dict[tuple[str, str, str, str], tuple[list[float], list[float]]]:
     """Draw the runs into `out`. Returns what was drawn, read back from the figure's lines:
-    {(panel, key, x view, run label): (xs, ys)}."""
+    {(panel, key, x view, run label): (xs, ys)}.
+
+    Cells fill a grid row by row: with both views, each panel's step and time views side by side (cols 2);
+    with one view, `cols` panels per row (default 2)."""
     if x not in ("both", *X_VIEWS):
         raise ReportError(f"--x {x!r}: use step, time or both.")
+    views = list(X_VIEWS) if x == "both" else [x]
+    cols = cols or 2
+    if cols < 1 or (x == "both" and cols % 2):
+        raise ReportError(f"--cols {cols}: give an even number >= 2 with --x both, or >= 1 with one view.")
     labels = _labels(run_dirs, labels)
     runs = [(label, read_metrics(d)) for label, d in zip(labels, run_dirs)]
     layout = panels(runs)
@@ -181,44 +194,43 @@ def plot_runs(
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    views = list(X_VIEWS) if x == "both" else [x]
-    fig, axes = plt.subplots(
-        len(layout), len(views), figsize=(5.2 * len(views), 2.3 * len(layout) + 0.6), squeeze=False
-    )
+    cells = [(title, keys, view) for title, keys in layout for view in views]
+    nrows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * min(cols, 2) + 4.2 * max(0, cols - 2), 2.3 * nrows + 0.6))
+    axes = [axes] if cols * nrows == 1 else list(getattr(axes, "flat", axes))
     try:
         _check_out(out, fig)
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         drawn = {}
-        for r, (title, keys) in enumerate(layout):
-            for c, view in enumerate(views):
-                ax = axes[r][c]
-                for i, (label, rows) in enumerate(runs):
-                    for key in keys:
-                        xs, ys = series(rows, key, view)
-                        if not xs:
-                            continue
-                        is_eval = key.startswith("eval_")
-                        (line,) = ax.plot(
-                            xs,
-                            ys,
-                            color=colors[i % len(colors)],
-                            linestyle="--" if is_eval and len(keys) > 1 else "-",
-                            marker="o" if is_eval or len(xs) == 1 else None,
-                            markersize=3,
-                            # earlier runs drawn wider: runs that agree (1 vs 2 processes) stay visible
-                            linewidth=1.2 + (len(runs) - 1 - i) / max(1, len(runs) - 1),
-                        )
-                        drawn[(title, key, view, label)] = (list(line.get_xdata()), list(line.get_ydata()))
-                ax.set_title(title if len(keys) == 1 else " / ".join(keys), fontsize=9, loc="left")
-                ax.tick_params(labelsize=8)
-                ax.grid(alpha=0.3)
-                if r == len(layout) - 1:
-                    ax.set_xlabel(X_VIEWS[view][1], fontsize=8)
-                if len(keys) > 1 and r == 0 and c == 0:  # say which line style is which key
-                    styles = [
-                        Line2D([], [], color="gray", linestyle="--" if k.startswith("eval_") else "-") for k in keys
-                    ]
-                    ax.legend(styles, keys, fontsize=7, loc="upper right")
+        for n, (title, keys, view) in enumerate(cells):
+            ax = axes[n]
+            for i, (label, rows) in enumerate(runs):
+                for key in keys:
+                    xs, ys = series(rows, key, view)
+                    if not xs:
+                        continue
+                    is_eval = key.startswith("eval_")
+                    (line,) = ax.plot(
+                        xs,
+                        ys,
+                        color=colors[i % len(colors)],
+                        linestyle="--" if is_eval and len(keys) > 1 else "-",
+                        marker="o" if is_eval or len(xs) == 1 else None,
+                        markersize=3,
+                        # earlier runs drawn wider: runs that agree (1 vs 2 processes) stay visible
+                        linewidth=1.2 + (len(runs) - 1 - i) / max(1, len(runs) - 1),
+                    )
+                    drawn[(title, key, view, label)] = (list(line.get_xdata()), list(line.get_ydata()))
+            ax.set_title(title if len(keys) == 1 else " / ".join(keys), fontsize=9, loc="left")
+            ax.tick_params(labelsize=8)
+            ax.grid(alpha=0.3)
+            if n + cols >= len(cells):  # nothing below this cell: label its x axis
+                ax.set_xlabel(X_VIEWS[view][1], fontsize=8)
+            if len(keys) > 1 and n == 0:  # say which line style is which key
+                styles = [Line2D([], [], color="gray", linestyle="--" if k.startswith("eval_") else "-") for k in keys]
+                ax.legend(styles, keys, fontsize=7, loc="upper right")
+        for ax in axes[len(cells) :]:
+            ax.set_visible(False)
         handles = [Line2D([], [], color=colors[i % len(colors)], linewidth=2) for i in range(len(runs))]
         fig.legend(handles, [label for label, _ in runs], loc="upper center", ncol=min(len(runs), 4), fontsize=9)
         fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
@@ -236,6 +248,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="picture to write: .png, .pdf or .svg")
     p.add_argument("--labels", nargs="+", default=None, help="legend label per RUN_DIR (default: folder names)")
     p.add_argument("--x", choices=["both", "step", "time"], default="both", help="x axes (default: both)")
+    p.add_argument(
+        "--cols", type=int, default=None, help="panels per row (default 2; with --x both, 2 = one panel a row)"
+    )
     p.add_argument("--dpi", type=int, default=100, help="resolution of a .png (default: 100)")
 
 
@@ -246,7 +261,7 @@ def run(a) -> int:
         print("error: accel-trainer report needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
     try:
-        drawn = plot_runs(a.run_dirs, a.out, labels=a.labels, x=a.x, dpi=a.dpi)
+        drawn = plot_runs(a.run_dirs, a.out, labels=a.labels, x=a.x, dpi=a.dpi, cols=a.cols)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

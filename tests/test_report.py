@@ -148,7 +148,8 @@ def test_report_draws_fields_runs_will_log(tmp_path):
         "my_metric",
     ]
     assert layout[0] == ("loss", ["loss", "eval_loss"])
-    drawn = report.plot_runs([str(run_dir)], str(tmp_path / "r.png"))
+    drawn = report.plot_runs([str(run_dir)], str(tmp_path / "r.png"), x="time", cols=3)
+    assert {k[2] for k in drawn} == {"time"} and len({k[0] for k in drawn}) == len(layout)
     assert drawn[("samples_per_second", "samples_per_second", "time", "run")] == (
         [r["elapsed_s"] for r in rows[:3]],
         [101.0, 102.0, 103.0],
