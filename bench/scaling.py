@@ -8,6 +8,7 @@ one thread per process:
   2 procs DDP   accelerate launch, 2 CPU processes (gloo), per-device batch = global / 2; the world size is asserted
   2 procs alone two independent single-process runs at the same time, per-device batch = global / 2, no
                 communication: what two processes get from this machine (cores, memory bandwidth) -- the ceiling
+  variants      2 procs DDP with extra Trainer flags (--ddp_variants; default --ddp_comm_hook fp16: half the bytes)
 
 Throughput = samples per second from metrics.jsonl: (updates x global batch) / (elapsed_s difference) between
 consecutive log rows (every --log_every updates; start-up and the first updates come before the first row), the
@@ -16,7 +17,8 @@ ceiling), DDP / alone.
 
 Where the DDP time goes, measured in a hand-written DDP loop on the same model, batch and optimizer (gloo, 2
 processes, 1 thread each), per update:
-  compute   the same loop inside `model.no_sync()` (no gradient communication at all)
+  compute   the same step inside `model.no_sync()` (no gradient communication at all); compute and DDP steps
+            alternate, each started together on both ranks, and the medians of single steps are reported
   ddp       the normal DDP step; ddp - compute = the communication time that is NOT hidden behind backward
   hook      a DDP comm hook that times every bucket's all_reduce future from launch to completion (summed per
             update; it overlaps backward, so it can exceed the exposed time)
@@ -175,6 +177,14 @@ def trainer_runs(a, tmp: str, round_: int) -> dict[str, float]:
     procs = [start(launch(1) + [RECIPE] + recipe_args(a, o, half), lg) for o, lg in zip(outs, logs)]
     wait(procs, logs, a.timeout)
     res["2 procs alone"] = sum(throughput(o, half)[0] for o in outs)
+    # DDP variants that move less data or communicate less often (--ddp_variants)
+    for i, flags in enumerate(a.ddp_variants):
+        out = os.path.join(tmp, f"r{round_}_ddp_variant{i}")
+        log = out + ".log"
+        wait([start(launch(2) + [RECIPE] + recipe_args(a, out, half) + flags.split(), log)], [log], a.timeout)
+        res[f"2 procs DDP {flags}"], world = throughput(out, g)
+        if world != 2:
+            sys.exit(f"error: accelerate launch formed a world of {world}, not 2; see {log}")
     return res
 
 
@@ -219,31 +229,32 @@ def _probe_worker(rank: int, a, port: int, queue):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        timings = {}
-        for mode in ("compute", "ddp"):
-            for _ in range(3):
-                step(mode == "ddp")
-            dist.barrier()
-            per_step, hook_per_step = [], []
-            for _ in range(a.probe_steps):
+        for _ in range(3):  # warm-up (DDP rebuilds its buckets after the first step)
+            step(True)
+            step(False)
+        # Compute-only and DDP steps alternate, each started together on both ranks (barrier, untimed), so that
+        # load from other processes falls on both alike; medians of single steps: a preempted step moves nothing.
+        per_step, hook_per_step = {"compute": [], "ddp": []}, []
+        for _ in range(a.probe_steps):
+            for mode in ("compute", "ddp"):
+                dist.barrier()
                 hook_s[0] = 0.0
                 buckets.clear()
                 t0 = time.perf_counter()
                 step(mode == "ddp")
-                per_step.append(time.perf_counter() - t0)
-                hook_per_step.append(hook_s[0])
-            dist.barrier()
-            # Medians of single steps: a step that another process preempted does not move them.
-            timings[mode] = statistics.median(per_step)
-            if mode == "ddp":
-                timings["hook"] = statistics.median(hook_per_step)
-                timings["buckets"] = len(buckets)
+                per_step[mode].append(time.perf_counter() - t0)
+                if mode == "ddp":
+                    hook_per_step.append(hook_s[0])
+        timings = {mode: statistics.median(v) for mode, v in per_step.items()}
+        timings["hook"] = statistics.median(hook_per_step)
+        timings["buckets"] = len(buckets)
         flat = torch.zeros(sum(p.numel() for p in model.parameters()))
         for _ in range(3):
             dist.all_reduce(flat)
         dist.barrier()
         idle = []
         for _ in range(a.probe_steps):
+            dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(flat)
             idle.append(time.perf_counter() - t0)
@@ -295,7 +306,14 @@ def main():
     p.add_argument("--rounds", type=int, default=1, help="repeat the three Trainer runs; medians are reported")
     p.add_argument("--probe_steps", type=int, default=20, help="timed steps per mode in the communication probe")
     p.add_argument("--bucket_caps", type=float, nargs="+", default=[25.0, 1.0, 100.0], help="DDP bucket_cap_mb")
+    p.add_argument(
+        "--ddp_variants",
+        nargs="*",
+        default=["--ddp_comm_hook fp16"],
+        help="extra 2-process runs, each with these Trainer flags (default: fp16 gradient compression, half the bytes; bf16 needs NCCL)",
+    )
     p.add_argument("--no_probe", action="store_true", help="skip the communication probe")
+    p.add_argument("--probe_only", action="store_true", help="only the communication probe (no Trainer runs)")
     p.add_argument("--timeout", type=float, default=900, help="seconds any one run may take")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
@@ -305,9 +323,11 @@ def main():
 
     load_before = loadavg()
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
-        rounds = [trainer_runs(a, tmp, r) for r in range(a.rounds)]
-    tput = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    rounds, tput, ratio, ceiling = [], {}, None, None
+    if not a.probe_only:
+        with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
+            rounds = [trainer_runs(a, tmp, r) for r in range(a.rounds)]
+        tput = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     probe = {} if a.no_probe else comm_probe(a)
     load_after = loadavg()
 
@@ -319,14 +339,17 @@ def main():
         f"{a.steps} updates (median of {a.log_every}-update intervals), 1 thread per process, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs, load average before {load_before} / after {load_after}"
     )
-    print(f"\nTrainer throughput (samples/s; median of {a.rounds} round(s)):")
-    for k, v in tput.items():
-        print(f"  {k:14s} {v:9.1f}   per round: {', '.join(f'{r[k]:.1f}' for r in rounds)}")
-    ratio = tput["2 procs DDP"] / tput["1 proc"]
-    ceiling = tput["2 procs alone"] / tput["1 proc"]
-    print(f"\n  2 procs DDP / 1 proc   = {ratio:.3f}   (goal >= 1.8)")
-    print(f"  2 procs alone / 1 proc = {ceiling:.3f}   (the ceiling without communication)")
-    print(f"  DDP / alone            = {tput['2 procs DDP'] / tput['2 procs alone']:.3f}   (lost to communication)")
+    if tput:
+        print(f"\nTrainer throughput (samples/s; median of {a.rounds} round(s)):")
+        for k, v in tput.items():
+            print(f"  {k:36s} {v:9.1f}   per round: {', '.join(f'{r[k]:.1f}' for r in rounds)}")
+        ratio = tput["2 procs DDP"] / tput["1 proc"]
+        ceiling = tput["2 procs alone"] / tput["1 proc"]
+        print(f"\n  2 procs DDP / 1 proc   = {ratio:.3f}   (goal >= 1.8)")
+        print(f"  2 procs alone / 1 proc = {ceiling:.3f}   (the ceiling without communication)")
+        print(f"  DDP / alone            = {tput['2 procs DDP'] / tput['2 procs alone']:.3f}   (kept of the ceiling)")
+        for flags in a.ddp_variants:
+            print(f"  DDP {flags} / 1 proc = {tput[f'2 procs DDP {flags}'] / tput['1 proc']:.3f}")
     if probe:
         print("\nCommunication probe (hand-written DDP loop, gloo, 2 x 1 thread), median ms per update:")
         print("  bucket_cap_mb  buckets  compute(no_sync)    ddp  exposed comm  hook all_reduce  idle all_reduce")
