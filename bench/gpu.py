@@ -360,6 +360,9 @@ def tiny_dataset(out: str) -> str:
     """The tests' tiny learnable CIFAR (tests/cifar_fixtures.py), written once under --out."""
     root = os.path.join(out, "tiny_cifar")
     if not os.path.isdir(os.path.join(root, "hub")):
+        import datasets
+
+        datasets.disable_progress_bars()
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from cifar_fixtures import make_tiny_cifar
 
