@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import resource
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -51,7 +52,7 @@ class Meter:
         self._reset(time.perf_counter())
 
     def _reset(self, now: float):
-        self.since, self.updates, self.samples, self.wait_s = now, 0, 0, 0.0
+        self.since, self.updates, self.samples, self.wait_s, self.excluded_s = now, 0, 0, 0.0, 0.0
         self.items = None  # a device tensor, summed without a sync
 
     def restart(self):
@@ -60,6 +61,15 @@ class Meter:
 
     def waited(self, seconds: float):
         self.wait_s += seconds
+
+    @contextmanager
+    def paused(self):
+        """Around an evaluation or a checkpoint between two log rows: not update time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded_s += time.perf_counter() - start
 
     def updated(self, samples: int, items):
         self.updates += 1
@@ -81,7 +91,7 @@ class Meter:
     def row(self) -> dict:
         """The log fields for the updates since the last row, combined over ranks (a collective when several)."""
         now = time.perf_counter()
-        elapsed = max(now - self.since, 1e-9)
+        elapsed = max(now - self.since - self.excluded_s, 1e-9)
         acc = self.accelerator
         items = float(self.items) if self.items is not None else 0.0
         mfu = (
