@@ -181,6 +181,7 @@ def verify_checkpoint(path: str) -> dict:
         if h.hexdigest() != meta["sha256"]:
             raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
     check_safe_to_load(path, manifest)
+    check_dcp_metadata_safe(path, manifest)  # a sharded (FSDP) checkpoint's DCP metadata, read with plain pickle
     return manifest
 
 
@@ -315,15 +316,56 @@ def remove_stale_tmp(output_dir: str) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------------------- loading
-def load_checkpoint(accelerator, path: str, model, ema=None) -> dict:
+def load_checkpoint(accelerator, path: str, model, optimizer=None, ema=None) -> dict:
     """Restore everything save_checkpoint wrote (the folder was verified by resolve_*); returns the trainer state.
-    `model`: the model being trained (wrapped or not), to check tensor names and shapes against first."""
-    check_compatible(path, model)
+    `model`: the model being trained (wrapped or not), to check tensor names and shapes against first.
+
+    A sharded checkpoint (written under FSDP: DCP folders) loads into an FSDP run on any number of processes
+    with accelerator.load_state (DCP reshards), and into a run without FSDP (e.g. 2 FSDP processes -> 1) with
+    load_resharded for the model and optimizer plus Accelerate's own loading of the rest. A full checkpoint
+    (model.safetensors, a rank-local optimizer.bin) cannot be sharded into an FSDP run: refused."""
+    from accelerate.utils import DistributedType
+
+    sharded_run = accelerator.distributed_type == DistributedType.FSDP
     state = read_state(path)
-    accelerator.load_state(path)
+    if is_sharded_checkpoint(path):
+        check_compatible_sharded(path, model)
+        if sharded_run:
+            accelerator.load_state(path)
+        else:
+            load_sharded_into_unsharded(accelerator, path, model, optimizer)
+    else:
+        if sharded_run:
+            raise CheckpointError(
+                f"Checkpoint {path} was written without FSDP (one full model.safetensors and rank 0's optimizer "
+                "state); resuming it sharded is not supported. Resume it with the launch it was written with (DDP), "
+                "or start a new FSDP run."
+            )
+        check_compatible(path, model)
+        accelerator.load_state(path)
     if ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):
         load_model(ema.module, os.path.join(path, EMA_FILE), device=str(accelerator.device))
     return state
+
+
+def load_sharded_into_unsharded(accelerator, path: str, model, optimizer):
+    """A sharded checkpoint into a run without FSDP: the model and optimizer by DCP (load_resharded, exact bit for
+    bit), then what accelerator.load_state restores besides, with Accelerate's own function (scheduler, sampler,
+    scaler, this rank's RNG state; a rank the writing run did not have keeps its seeded RNG). Accelerate's
+    load_state itself cannot: without FSDP it looks for model.safetensors and optimizer.bin."""
+    from accelerate.checkpointing import load_accelerator_state
+
+    load_resharded(path, model, optimizer)
+    load_accelerator_state(
+        path,
+        [],
+        [],
+        accelerator._schedulers,
+        accelerator._dataloaders,
+        accelerator.process_index,
+        accelerator.scaler,
+        "cpu",
+    )
 
 
 # ------------------------------------------------------------------------------- sharded (FSDP2) checkpoints, DCP
