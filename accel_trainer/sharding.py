@@ -74,6 +74,22 @@ def refuse_deepspeed(config: dict | None = None, where: str = "") -> None:
         raise ShardingError(DEEPSPEED_REFUSAL.format(where=where or "This run "))
 
 
+def launch_problems(launch_args, config=None) -> list[str]:
+    """What is wrong, sharding-wise, with `accelerate launch` flags (parsed by accelerate's own parser) given with
+    `config` (a loaded ClusterConfig or None), beyond config_problems: --use_deepspeed, and --cpu with an FSDP
+    config -- accelerate then runs its simple launcher, i.e. one process without FSDP, silently."""
+    problems = []
+    if getattr(launch_args, "use_deepspeed", False):
+        problems.append(DEEPSPEED_REFUSAL.format(where="--use_deepspeed "))
+    fsdp_config = config is not None and "FSDP" in str(getattr(config, "distributed_type", "")).upper()
+    if getattr(launch_args, "cpu", False) and fsdp_config:
+        problems.append(
+            "--cpu with an FSDP config makes accelerate start ONE process without FSDP (its simple launcher). Drop "
+            "--cpu and set `use_cpu: true` in the config (`accel-trainer config --cpu --fsdp` writes it)."
+        )
+    return problems
+
+
 # ----------------------------------------------------------------------------------------------------- the plugin
 def fsdp_requested() -> bool:
     """The launcher's environment asks for FSDP (`accelerate launch` with an FSDP config or --use_fsdp)."""
@@ -283,6 +299,7 @@ def assert_sharded(accelerator, model) -> dict:
         local += p.to_local().numel()
         local_bytes += p.to_local().numel() * p.element_size()
     fsdp_modules = sum(isinstance(m, FSDPModule) for m in root.modules())
+    policy = root._get_fsdp_state()._mp_policy  # what fully_shard applied (torch keeps it on the module's state)
     return {
         "sharded": "fsdp2",
         "world_size": world,
@@ -290,6 +307,10 @@ def assert_sharded(accelerator, model) -> dict:
         "params": total,
         "params_local": local,
         "param_bytes_local": local_bytes,
+        # the sharded parameters the optimizer updates, and the dtypes they are all-gathered / reduced in
+        "master_dtype": str(next(root.parameters()).dtype).removeprefix("torch."),
+        "param_dtype": str(policy.param_dtype or "as stored").removeprefix("torch."),
+        "reduce_dtype": str(policy.reduce_dtype or "as param_dtype").removeprefix("torch."),
     }
 
 
