@@ -373,9 +373,11 @@ def load_sharded_into_unsharded(accelerator, path: str, model, optimizer):
 # (DCP): folders `pytorch_model_fsdp_0/` and `optimizer_0/`, each with one `__<rank>_0.distcp` per rank and a
 # `.metadata` (which tensor chunk is where, by parameter name and global offsets). save_checkpoint and
 # write_manifest list and hash them like any other file. Two additions for them:
-#  - `.metadata` is read by torch with a plain `pickle.load` (not `weights_only`), so check_safe_to_load's
-#    promise (no pickled code runs) needs check_dcp_metadata_safe: an unpickler that admits only the classes
-#    DCP writes. The `.distcp` files themselves hold raw tensor bytes, and torch.load(weights_only=True) data.
+#  - check_safe_to_load's promise (no pickled code runs) needs check_dcp_metadata_safe. torch reads `.metadata`
+#    with a plain `pickle.load`: we unpickle it first with an allow-list of the classes DCP writes. In a `.distcp`,
+#    tensors are read with torch.load(weights_only=True), but the non-tensor items (an optimizer's param_groups:
+#    lr, betas, the parameter names, ...) with torch.load(weights_only=False) (torch 2.13,
+#    DefaultLoadPlanner.load_bytes): we test-load each of those with weights_only=True first.
 #  - load_resharded restores model and optimizer of a DCP checkpoint into a model on any number of processes,
 #    sharded or not (DCP matches tensors by name and global offsets): a 2-process FSDP checkpoint resumes on 1.
 _DCP_META = ".metadata"
@@ -411,19 +413,50 @@ def _dcp_unpickler(file):
 
 
 def check_dcp_metadata_safe(path: str, manifest: dict):
-    """Unpickle every DCP `.metadata` file of a checkpoint with an allow-list of DCP's own classes, before torch
-    loads it with plain pickle. Raises CheckpointError naming a file that holds anything else."""
+    """Before torch reads a checkpoint's DCP folders: unpickle every `.metadata` with an allow-list of DCP's own
+    classes (torch uses plain pickle), then test-load every non-tensor item of the `.distcp` files it points to
+    with weights_only=True (torch loads those with weights_only=False). Raises CheckpointError naming the file;
+    nothing in it runs."""
     for rel in manifest["files"]:
         if os.path.basename(rel) != _DCP_META:
             continue
         file = os.path.join(path, rel)
         try:
             with open(file, "rb") as f:
-                _dcp_unpickler(f).load()
+                meta = _dcp_unpickler(f).load()
         except Exception as e:  # noqa: BLE001 - any failure means torch's pickle.load must not see it
             raise CheckpointError(
                 f"Checkpoint {path}: {file} cannot be loaded safely ({type(e).__name__}: {e}). Only the classes of "
                 "torch.distributed.checkpoint metadata are admitted; it was not run."
+            ) from None
+        _check_dcp_byte_items(path, os.path.dirname(file), meta)
+
+
+def _check_dcp_byte_items(path: str, folder: str, meta):
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    items = {k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, info in meta.storage_data.items():
+        if index.fqn not in items:
+            continue
+        rel = os.path.normpath(info.relative_path)
+        if os.path.isabs(rel) or rel.startswith(".."):
+            raise CheckpointError(f"Checkpoint {path}: {folder}/.metadata points outside its folder ({rel}).")
+        file = os.path.join(folder, rel)
+        if info.transform_descriptors:  # compressed or otherwise transformed streams: not ours to decode
+            raise CheckpointError(f"Checkpoint {path}: {file} holds transformed items that cannot be checked.")
+        try:
+            with open(file, "rb") as f:
+                f.seek(info.offset)
+                torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure means torch's weights_only=False load must not see it
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"Checkpoint {path}: {file} (item {index.fqn}) cannot be loaded safely ({type(e).__name__}: "
+                f"{first}). Pickled code and arbitrary objects are refused (weights_only=True) and were not run."
             ) from None
 
 

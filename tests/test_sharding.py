@@ -18,6 +18,8 @@ asked for FSDP; accel_trainer.sharding makes it shard) and what each rank holds.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import pickle
@@ -215,6 +217,7 @@ def test_sigkill_under_fsdp_then_resume_from_latest_is_bit_identical(reg):
     assert next(final) == next(final)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on this one process, no group: intended
 def test_the_full_model_and_the_sharded_checkpoint(reg):
     fsdp = reg.out["fsdp"]
     model = regression.build_model(SimpleNamespace(args=regression.Args()))
@@ -264,16 +267,29 @@ def test_sharded_checkpoint_safety(reg, tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointError, match="__1_0.distcp is corrupt"):
         ckpt.verify_checkpoint(str(copy))
-    # DCP reads .metadata with plain pickle: one carrying code is refused before torch sees it, and does not run
+    # Pickled code is refused before torch sees it, and does not run: in a .metadata (which torch reads with plain
+    # pickle), and in a shard's non-tensor item (which torch reads with weights_only=False, e.g. AdamW's lr).
     marker = tmp_path / "pwned"
 
     class Payload:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    meta = copy / "pytorch_model_fsdp_0" / ".metadata"
-    meta.write_bytes(pickle.dumps(Payload()))
-    with pytest.raises(ckpt.CheckpointError, match="cannot be loaded safely"):
+    evil = io.BytesIO()
+    torch.save(Payload(), evil)
+    copy = tmp_path / "byte_item"
+    shutil.copytree(step, copy)
+    meta = pickle.loads((copy / "optimizer_0" / ".metadata").read_bytes())  # our own, known-good file
+    index = next(i for i in meta.storage_data if i.fqn.endswith("param_groups.0.lr"))
+    info = meta.storage_data[index]
+    shard = copy / "optimizer_0" / info.relative_path
+    meta.storage_data[index] = dataclasses.replace(info, offset=shard.stat().st_size, length=len(evil.getvalue()))
+    shard.write_bytes(shard.read_bytes() + evil.getvalue())
+    (copy / "optimizer_0" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=r"item optimizer\.param_groups\.0\.lr\) cannot be loaded safely"):
+        ckpt.check_dcp_metadata_safe(str(copy), {"files": {"optimizer_0/.metadata": {}}})
+    (copy / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ckpt.CheckpointError, match=".metadata cannot be loaded safely"):
         ckpt.check_dcp_metadata_safe(str(copy), {"files": {"pytorch_model_fsdp_0/.metadata": {}}})
     assert not marker.exists()
     # a checkpoint written without FSDP cannot be resumed sharded: refused, not half-loaded
