@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 
-from accel_trainer import topology
+from accel_trainer import sharding, topology
 
 ENV_VARS = (
     "WORLD_SIZE",
@@ -320,14 +320,15 @@ def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_
         return 0 if argv else 2
     args, _ = launch_command_parser().parse_known_args(argv)
     config = load_config_from_file(args.config_file) if args.config_file else None
-    if config is not None:
-        problems = topology.validate_config(config)
-        if problems:
-            print(
-                "launch: refusing to launch " + args.config_file + ":\n" + "\n".join(f"  - {p}" for p in problems),
-                file=sys.stderr,
-            )
-            return 2
+    problems = topology.validate_config(config) if config is not None else []
+    problems += sharding.launch_problems(args, config)  # --use_deepspeed; --cpu with an FSDP config
+    if problems:
+        print(
+            f"launch: refusing to launch {args.config_file or args.training_script}:\n"
+            + "\n".join(f"  - {p}" for p in problems),
+            file=sys.stderr,
+        )
+        return 2
     at = argv.index(args.training_script)  # our flags go before the script; its own arguments stay after it
     given = {a.split("=")[0] for a in argv[:at]}
     machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)
