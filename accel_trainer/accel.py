@@ -89,4 +89,15 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         fsdp_plugin=plugin,
     )
     sharding.activate_fsdp(accelerator, plugin)  # on CPU, Accelerate would run DDP instead: see sharding.py
+    # Settings Accelerate or torch would accept and then ignore or crash on, named here instead.
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise UserError(
+            "fp16 mixed precision on a CPU: Accelerate applies no fp16 autocast or loss scaling there, so the run "
+            "would silently train in fp32. Use --mixed_precision bf16 (CPU autocast) or no; fp16 needs a CUDA GPU."
+        )
+    if args.ddp_comm_hook == "bf16" and accelerator.num_processes > 1 and accelerator.state.backend != "nccl":
+        raise UserError(
+            f"--ddp_comm_hook bf16 needs NCCL (CUDA GPUs); this run's backend is {accelerator.state.backend}. "
+            "Use --ddp_comm_hook fp16 or none."
+        )
     return accelerator

@@ -410,9 +410,11 @@ class Trainer:
                     and self.eval_loader is not None
                     and (step % args.eval_steps == 0 if args.eval_steps else epoch_end)
                 ):
-                    metrics = self.evaluate()
+                    with self.meter.paused():  # not update time in the log rows
+                        metrics = self.evaluate()
                 if not last and args.save_steps and step % args.save_steps == 0:
-                    self.save_checkpoint()
+                    with self.meter.paused():
+                        self.save_checkpoint()
                 if not last and self.preemption.agreed():  # a signal reached some rank by the previous update
                     self._preempt(bar)
                 if last:
