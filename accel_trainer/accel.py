@@ -15,6 +15,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
+from . import sharding
 from .args import TrainingArguments
 from .errors import UserError
 from .topology import launched_world
@@ -46,6 +47,17 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
             "and an fp8 backend (transformer-engine, torchao or MS-AMP); use bf16 here."
         )
 
+    # Sharding: DeepSpeed is refused, FSDP (the launcher's FSDP config or --use_fsdp) runs Accelerate's FSDP2 path,
+    # on CPU too (sharding.activate_fsdp); a request for FSDP that would not shard is an error, never DDP.
+    sharding.refuse_deepspeed()
+    plugin = sharding.fsdp_plugin(args.mixed_precision, args.fsdp_reduce_dtype)
+    if plugin is None and args.fsdp_reduce_dtype is not None:
+        raise UserError(
+            "--fsdp_reduce_dtype applies to FSDP only, and this run is not launched with FSDP: launch with an FSDP "
+            "config (`accel-trainer config --fsdp`), or drop the flag."
+        )
+    sharding.refuse_ema(args.ema_decay, sharded=plugin is not None)
+
     ddp = DistributedDataParallelKwargs(
         find_unused_parameters=args.ddp_find_unused_parameters, comm_hook=_COMM_HOOKS[args.ddp_comm_hook]
     )
@@ -61,7 +73,7 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
     # (the process group, in PartialState, stays).
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=args.mixed_precision,  # None: ACCELERATE_MIXED_PRECISION from the launcher/config
         # The Trainer does its own accumulation (item-weighted normalisation needs the window boundaries), so
@@ -75,4 +87,18 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         kwargs_handlers=handlers,
         # A sampler seeded from (seed, epoch) alone: the same order on any world size, and resumable.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        fsdp_plugin=plugin,
     )
+    sharding.activate_fsdp(accelerator, plugin)  # on CPU, Accelerate would run DDP instead: see sharding.py
+    # Settings Accelerate or torch would accept and then ignore or crash on, named here instead.
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise UserError(
+            "fp16 mixed precision on a CPU: Accelerate applies no fp16 autocast or loss scaling there, so the run "
+            "would silently train in fp32. Use --mixed_precision bf16 (CPU autocast) or no; fp16 needs a CUDA GPU."
+        )
+    if args.ddp_comm_hook == "bf16" and accelerator.num_processes > 1 and accelerator.state.backend != "nccl":
+        raise UserError(
+            f"--ddp_comm_hook bf16 needs NCCL (CUDA GPUs); this run's backend is {accelerator.state.backend}. "
+            "Use --ddp_comm_hook fp16 or none."
+        )
+    return accelerator

@@ -16,6 +16,7 @@ from typing import Any
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
+FSDP_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 LR_SCALING = ("none", "linear", "sqrt")
 
 
@@ -158,6 +159,14 @@ class TrainingArguments:
         metadata={"help": "DDP gradient communication hook: none, fp16, bf16, power_sgd, batched_power_sgd."},
     )
     powersgd_rank: int = field(default=1, metadata={"help": "matrix_approximation_rank for power_sgd hooks."})
+    fsdp_reduce_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "FSDP only: the dtype gradients are reduce-scattered in (fp32, bf16, fp16). With "
+            "--mixed_precision bf16, fp32 keeps bf16 parameters and compute but sums gradients without bf16 "
+            "rounding. Unset: the mixed-precision dtype (Accelerate's default)."
+        },
+    )
     ddp_timeout: int = field(
         default=1800,
         metadata={
@@ -212,6 +221,8 @@ class TrainingArguments:
             bad("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}.")
         if self.ddp_comm_hook not in COMM_HOOKS:
             bad("ddp_comm_hook", f"{self.ddp_comm_hook!r} is not one of {', '.join(COMM_HOOKS)}.")
+        if self.fsdp_reduce_dtype is not None and self.fsdp_reduce_dtype not in FSDP_REDUCE_DTYPES:
+            bad("fsdp_reduce_dtype", f"{self.fsdp_reduce_dtype!r} is not one of {', '.join(FSDP_REDUCE_DTYPES)}.")
         if self.nan_policy not in NAN_POLICIES:
             bad("nan_policy", f"{self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}.")
         from transformers import SchedulerType

@@ -181,6 +181,7 @@ def verify_checkpoint(path: str) -> dict:
         if h.hexdigest() != meta["sha256"]:
             raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
     check_safe_to_load(path, manifest)
+    check_dcp_metadata_safe(path, manifest)  # a sharded (FSDP) checkpoint's DCP metadata, read with plain pickle
     return manifest
 
 
@@ -315,15 +316,56 @@ def remove_stale_tmp(output_dir: str) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------------------- loading
-def load_checkpoint(accelerator, path: str, model, ema=None) -> dict:
+def load_checkpoint(accelerator, path: str, model, optimizer=None, ema=None) -> dict:
     """Restore everything save_checkpoint wrote (the folder was verified by resolve_*); returns the trainer state.
-    `model`: the model being trained (wrapped or not), to check tensor names and shapes against first."""
-    check_compatible(path, model)
+    `model`: the model being trained (wrapped or not), to check tensor names and shapes against first.
+
+    A sharded checkpoint (written under FSDP: DCP folders) loads into an FSDP run on any number of processes
+    with accelerator.load_state (DCP reshards), and into a run without FSDP (e.g. 2 FSDP processes -> 1) with
+    load_resharded for the model and optimizer plus Accelerate's own loading of the rest. A full checkpoint
+    (model.safetensors, a rank-local optimizer.bin) cannot be sharded into an FSDP run: refused."""
+    from accelerate.utils import DistributedType
+
+    sharded_run = accelerator.distributed_type == DistributedType.FSDP
     state = read_state(path)
-    accelerator.load_state(path)
+    if is_sharded_checkpoint(path):
+        check_compatible_sharded(path, model)
+        if sharded_run:
+            accelerator.load_state(path)
+        else:
+            load_sharded_into_unsharded(accelerator, path, model, optimizer)
+    else:
+        if sharded_run:
+            raise CheckpointError(
+                f"Checkpoint {path} was written without FSDP (one full model.safetensors and rank 0's optimizer "
+                "state); resuming it sharded is not supported. Resume it with the launch it was written with (DDP), "
+                "or start a new FSDP run."
+            )
+        check_compatible(path, model)
+        accelerator.load_state(path)
     if ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):
         load_model(ema.module, os.path.join(path, EMA_FILE), device=str(accelerator.device))
     return state
+
+
+def load_sharded_into_unsharded(accelerator, path: str, model, optimizer):
+    """A sharded checkpoint into a run without FSDP: the model and optimizer by DCP (load_resharded, exact bit for
+    bit), then what accelerator.load_state restores besides, with Accelerate's own function (scheduler, sampler,
+    scaler, this rank's RNG state; a rank the writing run did not have keeps its seeded RNG). Accelerate's
+    load_state itself cannot: without FSDP it looks for model.safetensors and optimizer.bin."""
+    from accelerate.checkpointing import load_accelerator_state
+
+    load_resharded(path, model, optimizer)
+    load_accelerator_state(
+        path,
+        [],
+        [],
+        accelerator._schedulers,
+        accelerator._dataloaders,
+        accelerator.process_index,
+        accelerator.scaler,
+        "cpu",
+    )
 
 
 # ------------------------------------------------------------------------------- sharded (FSDP2) checkpoints, DCP
@@ -331,9 +373,11 @@ def load_checkpoint(accelerator, path: str, model, ema=None) -> dict:
 # (DCP): folders `pytorch_model_fsdp_0/` and `optimizer_0/`, each with one `__<rank>_0.distcp` per rank and a
 # `.metadata` (which tensor chunk is where, by parameter name and global offsets). save_checkpoint and
 # write_manifest list and hash them like any other file. Two additions for them:
-#  - `.metadata` is read by torch with a plain `pickle.load` (not `weights_only`), so check_safe_to_load's
-#    promise (no pickled code runs) needs check_dcp_metadata_safe: an unpickler that admits only the classes
-#    DCP writes. The `.distcp` files themselves hold raw tensor bytes, and torch.load(weights_only=True) data.
+#  - check_safe_to_load's promise (no pickled code runs) needs check_dcp_metadata_safe. torch reads `.metadata`
+#    with a plain `pickle.load`: we unpickle it first with an allow-list of the classes DCP writes. In a `.distcp`,
+#    tensors are read with torch.load(weights_only=True), but the non-tensor items (an optimizer's param_groups:
+#    lr, betas, the parameter names, ...) with torch.load(weights_only=False) (torch 2.13,
+#    DefaultLoadPlanner.load_bytes): we test-load each of those with weights_only=True first.
 #  - load_resharded restores model and optimizer of a DCP checkpoint into a model on any number of processes,
 #    sharded or not (DCP matches tensors by name and global offsets): a 2-process FSDP checkpoint resumes on 1.
 _DCP_META = ".metadata"
@@ -369,19 +413,50 @@ def _dcp_unpickler(file):
 
 
 def check_dcp_metadata_safe(path: str, manifest: dict):
-    """Unpickle every DCP `.metadata` file of a checkpoint with an allow-list of DCP's own classes, before torch
-    loads it with plain pickle. Raises CheckpointError naming a file that holds anything else."""
+    """Before torch reads a checkpoint's DCP folders: unpickle every `.metadata` with an allow-list of DCP's own
+    classes (torch uses plain pickle), then test-load every non-tensor item of the `.distcp` files it points to
+    with weights_only=True (torch loads those with weights_only=False). Raises CheckpointError naming the file;
+    nothing in it runs."""
     for rel in manifest["files"]:
         if os.path.basename(rel) != _DCP_META:
             continue
         file = os.path.join(path, rel)
         try:
             with open(file, "rb") as f:
-                _dcp_unpickler(f).load()
+                meta = _dcp_unpickler(f).load()
         except Exception as e:  # noqa: BLE001 - any failure means torch's pickle.load must not see it
             raise CheckpointError(
                 f"Checkpoint {path}: {file} cannot be loaded safely ({type(e).__name__}: {e}). Only the classes of "
                 "torch.distributed.checkpoint metadata are admitted; it was not run."
+            ) from None
+        _check_dcp_byte_items(path, os.path.dirname(file), meta)
+
+
+def _check_dcp_byte_items(path: str, folder: str, meta):
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    items = {k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, info in meta.storage_data.items():
+        if index.fqn not in items:
+            continue
+        rel = os.path.normpath(info.relative_path)
+        if os.path.isabs(rel) or rel.startswith(".."):
+            raise CheckpointError(f"Checkpoint {path}: {folder}/.metadata points outside its folder ({rel}).")
+        file = os.path.join(folder, rel)
+        if info.transform_descriptors:  # compressed or otherwise transformed streams: not ours to decode
+            raise CheckpointError(f"Checkpoint {path}: {file} holds transformed items that cannot be checked.")
+        try:
+            with open(file, "rb") as f:
+                f.seek(info.offset)
+                torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure means torch's weights_only=False load must not see it
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"Checkpoint {path}: {file} (item {index.fqn}) cannot be loaded safely ({type(e).__name__}: "
+                f"{first}). Pickled code and arbitrary objects are refused (weights_only=True) and were not run."
             ) from None
 
 

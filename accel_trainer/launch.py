@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from accel_trainer import topology
+from accel_trainer import sharding, topology
 from accel_trainer.errors import UserError
 from accel_trainer.faults import EXIT_PREEMPTED
 
@@ -131,10 +131,13 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
 
     args, _ = launch_command_parser().parse_known_args(argv)
     config = topology.load_config(args.config_file) if args.config_file else None
-    if config is not None:
-        problems = topology.validate_config(config)
-        if problems:
-            _refuse(f"refusing to launch {args.config_file}:\n" + "\n".join(f"  - {p}" for p in problems))
+    problems = topology.validate_config(config) if config is not None else []
+    problems += sharding.launch_problems(args, config)  # --use_deepspeed; --cpu with an FSDP config
+    if problems:
+        _refuse(
+            f"refusing to launch {args.config_file or args.training_script}:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
     at = argv.index(args.training_script)  # our flags go before the script; its own arguments stay after it
     given = {a.split("=")[0] for a in argv[:at]}
     machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)

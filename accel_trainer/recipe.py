@@ -76,6 +76,9 @@ class Recipe:
     build_metrics: Callable | None = None  # (ctx) -> {name: evaluate.EvaluationModule}
     defaults: dict | None = None  # the recipe's own defaults for TrainingArguments fields
     configure: Callable | None = None  # (ctx) -> None: adjust ctx.args/ctx.targs after parsing (presets)
+    # FSDP: the module classes (or class names) that become their own FSDP unit, for a model without transformers'
+    # _no_split_modules; without either, modules over 1M parameters are (sharding.configure_wrapping).
+    fsdp_wrap: list | None = None
     # Events (accel_trainer/events.py): (trainer, ...) -> None; on_evaluate_end may return extra metrics.
     on_fit_start: Callable | None = None
     on_update_end: Callable | None = None

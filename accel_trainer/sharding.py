@@ -74,6 +74,22 @@ def refuse_deepspeed(config: dict | None = None, where: str = "") -> None:
         raise ShardingError(DEEPSPEED_REFUSAL.format(where=where or "This run "))
 
 
+def launch_problems(launch_args, config=None) -> list[str]:
+    """What is wrong, sharding-wise, with `accelerate launch` flags (parsed by accelerate's own parser) given with
+    `config` (a loaded ClusterConfig or None), beyond config_problems: --use_deepspeed, and --cpu with an FSDP
+    config -- accelerate then runs its simple launcher, i.e. one process without FSDP, silently."""
+    problems = []
+    if getattr(launch_args, "use_deepspeed", False):
+        problems.append(DEEPSPEED_REFUSAL.format(where="--use_deepspeed "))
+    fsdp_config = config is not None and "FSDP" in str(getattr(config, "distributed_type", "")).upper()
+    if getattr(launch_args, "cpu", False) and fsdp_config:
+        problems.append(
+            "--cpu with an FSDP config makes accelerate start ONE process without FSDP (its simple launcher). Drop "
+            "--cpu and set `use_cpu: true` in the config (`accel-trainer config --cpu --fsdp` writes it)."
+        )
+    return problems
+
+
 # ----------------------------------------------------------------------------------------------------- the plugin
 def fsdp_requested() -> bool:
     """The launcher's environment asks for FSDP (`accelerate launch` with an FSDP config or --use_fsdp)."""
@@ -113,7 +129,37 @@ def fsdp_plugin(mixed_precision: str | None = None, reduce_dtype: str | None = N
     policy = mixed_precision_policy(mixed_precision, reduce_dtype)
     if policy is not None:
         plugin.mixed_precision_policy = policy  # Accelerate keeps a policy it is given (set_mixed_precision)
+    # Checkpoints are always sharded (DCP, each rank writes its own shards): FULL_STATE_DICT would gather the whole
+    # model and optimizer onto rank 0 at every checkpoint, the memory FSDP saves. The full model a user wants is
+    # the run's final model.safetensors (save_full_model), whatever the config says.
+    plugin.state_dict_config = plugin.optim_state_dict_config = None  # rebuilt for sharded by set_state_dict_type
+    plugin.set_state_dict_type("SHARDED_STATE_DICT")
     return plugin
+
+
+def config_problems(config) -> list[str]:
+    """What is wrong, sharding-wise, with an accelerate config (a ClusterConfig or its yaml dict) before anything
+    is launched: DeepSpeed (refused), FSDP other than version 2, FSDP on CPU with fewer than 2 processes (nothing
+    to shard over). For the wizard and `accel-trainer launch` (topology.validate_config); empty when fine."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    dtype = str(get("distributed_type", "") or "").upper().rsplit(".", 1)[-1]  # DistributedType.FSDP -> FSDP
+    if dtype == "DEEPSPEED" or get("deepspeed_config"):
+        return [DEEPSPEED_REFUSAL.format(where="The config ")]
+    if dtype != "FSDP":
+        return []
+    problems = []
+    version = str((get("fsdp_config") or {}).get("fsdp_version", 1))
+    if version != "2":
+        problems.append(
+            f"fsdp_version {version}: accel-trainer runs FSDP2 only (per-parameter sharding, DTensor state); set "
+            "`fsdp_version: 2` in fsdp_config (`accel-trainer config --fsdp` writes it)."
+        )
+    if get("use_cpu") and int(get("num_processes", 1) or 1) < 2:
+        problems.append(
+            "FSDP on CPU with 1 process has nothing to shard over: set num_processes to 2 or more, or use a config "
+            "without FSDP."
+        )
+    return problems
 
 
 def activate_fsdp(accelerator, plugin) -> None:
@@ -253,6 +299,7 @@ def assert_sharded(accelerator, model) -> dict:
         local += p.to_local().numel()
         local_bytes += p.to_local().numel() * p.element_size()
     fsdp_modules = sum(isinstance(m, FSDPModule) for m in root.modules())
+    policy = root._get_fsdp_state()._mp_policy  # what fully_shard applied (torch keeps it on the module's state)
     return {
         "sharded": "fsdp2",
         "world_size": world,
@@ -260,6 +307,10 @@ def assert_sharded(accelerator, model) -> dict:
         "params": total,
         "params_local": local,
         "param_bytes_local": local_bytes,
+        # the sharded parameters the optimizer updates, and the dtypes they are all-gathered / reduced in
+        "master_dtype": str(next(root.parameters()).dtype).removeprefix("torch."),
+        "param_dtype": str(policy.param_dtype or "as stored").removeprefix("torch."),
+        "reduce_dtype": str(policy.reduce_dtype or "as param_dtype").removeprefix("torch."),
     }
 
 
@@ -300,10 +351,10 @@ def rank_holdings(accelerator, model, optimizer=None) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------- refusals
-def refuse_ema(accelerator, ema_decay: float) -> None:
+def refuse_ema(ema_decay: float, sharded: bool) -> None:
     """The EMA copy is a full deep copy of the model on every rank (torch AveragedModel): under FSDP it would
     copy DTensor shards and FSDP hooks, or undo the memory saving. Refused rather than kept half-working."""
-    if ema_decay > 0 and accelerator.distributed_type == DistributedType.FSDP:
+    if ema_decay > 0 and sharded:
         raise ShardingError(
             "--ema_decay is not supported with FSDP: the EMA would be a full copy of the model on every process. "
             "Drop --ema_decay, or train with DDP (an accelerate config without FSDP) to keep an EMA."

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import resource
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -51,8 +52,8 @@ class Meter:
         self._reset(time.perf_counter())
 
     def _reset(self, now: float):
-        self.since, self.updates, self.samples, self.wait_s = now, 0, 0, 0.0
-        self.items = None  # a device tensor, summed without a sync
+        self.since, self.updates, self.samples, self.wait_s, self.excluded_s = now, 0, 0, 0.0, 0.0
+        self.items: list = []  # per update: a device tensor (summed at the row, no sync before) or a number
 
     def restart(self):
         """At the start of fit(): set-up and notebook steps before it are not training time."""
@@ -61,11 +62,21 @@ class Meter:
     def waited(self, seconds: float):
         self.wait_s += seconds
 
+    @contextmanager
+    def paused(self):
+        """Around an evaluation or a checkpoint between two log rows: not update time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded_s += time.perf_counter() - start
+
     def updated(self, samples: int, items):
+        # A list append, not a running tensor sum: one tensor op (or a tensor built from an int) per update would
+        # cost more than the rest of this class together (measured: ~35 us for torch.tensor() on a CPU).
         self.updates += 1
         self.samples += samples
-        items = items.detach() if torch.is_tensor(items) else torch.tensor(float(items))
-        self.items = items.float() if self.items is None else self.items + items
+        self.items.append(items)
 
     def count_flops(self):
         """A context for the first update: counts its FLOPs while it runs (None afterwards: nothing to do)."""
@@ -81,9 +92,11 @@ class Meter:
     def row(self) -> dict:
         """The log fields for the updates since the last row, combined over ranks (a collective when several)."""
         now = time.perf_counter()
-        elapsed = max(now - self.since, 1e-9)
+        elapsed = max(now - self.since - self.excluded_s, 1e-9)
         acc = self.accelerator
-        items = float(self.items) if self.items is not None else 0.0
+        tensors = [i.detach().float().reshape(()) for i in self.items if torch.is_tensor(i)]
+        items = sum(float(i) for i in self.items if not torch.is_tensor(i))
+        items += float(torch.stack(tensors).sum()) if tensors else 0.0
         mfu = (
             self.flops_per_update * self.updates / elapsed / (self.peak_tflops * 1e12)
             if self.flops_per_update and self.peak_tflops

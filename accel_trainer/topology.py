@@ -328,9 +328,10 @@ def validate_config(config, gpus_detected: int | None = None) -> list[str]:
     if config.rdzv_backend not in ("static", "c10d"):
         p.append(f"rdzv_backend={config.rdzv_backend!r}: use 'static' (fixed machines) or 'c10d' (elastic).")
     mp = str(config.mixed_precision or "no")
+    from .sharding import config_problems
+
+    p += config_problems(config)  # DeepSpeed is refused; FSDP must be version 2, with >= 2 processes on CPU
     if cpu:
-        if dtype in ("FSDP", "DEEPSPEED"):
-            p.append(f"{dtype} on CPU is not supported here; on CPU use DDP (distributed_type MULTI_GPU, use_cpu).")
         if mp == "fp16":
             p.append("fp16 mixed precision needs a GPU; on CPU use bf16 or no.")
     elif gpus_detected is not None:

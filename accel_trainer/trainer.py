@@ -8,8 +8,11 @@
 Gradient accumulation is ours, not `accelerator.accumulate`: one update's gradient must be the mean over every
 item (sample or token) of the global batch, weighted by item count, on any world size. Each micro-batch's
 backward uses its summed loss (mean x n_items); at the window's end the item count of the whole global batch is
-all-reduced once and the gradients are scaled by world_size / N (DDP has averaged over ranks). With one process
-and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a plain loop).
+all-reduced once and the gradients are scaled by world_size / N (DDP and FSDP have averaged over ranks). With one
+process and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a plain loop).
+
+Sharded training (FSDP2, docs/sharding.md) is the same loop: accel.py makes Accelerate shard (on CPU too),
+prepare goes through sharding.prepare_sharded, checkpoints are DCP shards and save_model gathers the full model.
 
 Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` functions, or `trainer.on(...)`.
 """
@@ -34,7 +37,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import faults
+from . import faults, sharding
 from .accel import build_accelerator
 from .args import TrainingArguments, resolve_args, user_values
 from .errors import UserError
@@ -179,7 +182,11 @@ class Trainer:
             if r.build_scheduler
             else default_scheduler(optimizer, self.total_steps, args)
         )
-        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        # Under FSDP (sharding.py): the wrap policy for this model first, then the check that it really is sharded.
+        self.model, self.optimizer, self.scheduler = sharding.prepare_sharded(
+            acc, model, optimizer, scheduler, wrap=r.fsdp_wrap
+        )
+        self.sharded = acc.distributed_type == DistributedType.FSDP
         self.ema = (
             AveragedModel(
                 acc.unwrap_model(self.model), multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True
@@ -188,7 +195,8 @@ class Trainer:
             else None
         )
 
-        # The fast path: call torch's optimizer, scaler and backward directly where Accelerate adds nothing.
+        # The fast path: call torch's optimizer, scaler and backward directly where Accelerate adds nothing (not
+        # FSDP: its gradient-sync switch and DTensor-aware clipping are Accelerate's).
         self._plain_torch = acc.distributed_type in _PLAIN_TORCH_TYPES
         self._inner_opt = self.optimizer.optimizer
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -373,6 +381,8 @@ class Trainer:
                 "args": self.args.to_dict(),
                 "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
                 "topology": topology(self.accelerator),
+                # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
+                "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer),
                 "versions": library_versions(),
             },
         )
@@ -400,9 +410,11 @@ class Trainer:
                     and self.eval_loader is not None
                     and (step % args.eval_steps == 0 if args.eval_steps else epoch_end)
                 ):
-                    metrics = self.evaluate()
+                    with self.meter.paused():  # not update time in the log rows
+                        metrics = self.evaluate()
                 if not last and args.save_steps and step % args.save_steps == 0:
-                    self.save_checkpoint()
+                    with self.meter.paused():
+                        self.save_checkpoint()
                 if not last and self.preemption.agreed():  # a signal reached some rank by the previous update
                     self._preempt(bar)
                 if last:
@@ -480,7 +492,7 @@ class Trainer:
                 totals = acc.reduce(totals, reduction="sum")
                 self.preemption.record(totals[2])
             loss_sum, n_sum = totals[0], totals[1]
-            # DDP averaged the per-rank sums over ranks; the mean over all N items of the global batch is that
+            # DDP (FSDP: on the DTensor shards) averaged the per-rank sums over ranks; the mean over all N items of the global batch is that
             # times world_size / N. clamp: a window with no items (all masked) leaves the gradients at zero.
             grads = [q.grad for q in self._params if q.grad is not None]
             torch._foreach_mul_(grads, acc.num_processes / n_sum.clamp(min=1))
@@ -703,7 +715,7 @@ class Trainer:
     def _resume(self, path: str):
         saved = ckpt.read_state(path)
         position = self._resumed_position(saved, path)
-        state = ckpt.load_checkpoint(self.accelerator, path, self.model, ema=self.ema)
+        state = ckpt.load_checkpoint(self.accelerator, path, self.model, self.optimizer, ema=self.ema)
         if self.accelerator.is_main_process:
             for stale in ckpt.remove_stale_tmp(self.args.output_dir):
                 self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
@@ -743,6 +755,8 @@ class Trainer:
     def save_model(self, path: str | None = None) -> str:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
         path = path or os.path.join(self.args.output_dir, "model.safetensors")
+        if self.sharded:  # every rank takes part in gathering the shards; the main process writes
+            return sharding.save_full_model(self.accelerator, self.model, path)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             tmp = path + ".tmp"

@@ -248,16 +248,14 @@ def interactive(a, hw):
         "Mixed precision (no/bf16/fp16)?", mp_default, str, lambda v: v in MIXED, "no, bf16 or fp16"
     )
     a.compile = ask("Use torch.compile? (yes/no)", "yes" if a.compile else "no", yes_no, why="yes or no")
-    if not a.cpu:
-        a.sharding = ask(
-            "Shard the model: none, fsdp or deepspeed?",
-            a.sharding,
-            str,
-            lambda v: v in SHARDING,
-            "none, fsdp or deepspeed",
-        )
-        if a.sharding == "deepspeed":
-            a.zero_stage = ask("DeepSpeed ZeRO stage (0-3)?", a.zero_stage, int, lambda v: 0 <= v <= 3, "0..3")
+    # FSDP2 on GPUs and on CPU (gloo; accel_trainer/sharding.py). DeepSpeed is not offered: it is refused.
+    a.sharding = ask(
+        "Shard the model with FSDP (parameters, gradients and optimizer state split over the processes): none or fsdp?",
+        a.sharding,
+        str,
+        lambda v: v in ("none", "fsdp"),
+        "none or fsdp",
+    )
     a.name = ask("Config name?", a.name or default_name(a), str, lambda v: v and "/" not in v, "a file name")
     if a.machines > 1:
         a.slurm = ask("Also write a SLURM batch script? (yes/no)", "yes" if a.slurm else "no", yes_no, why="yes or no")
@@ -310,9 +308,16 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--max-restarts", type=int, default=0, help="worker restarts after a failure (c10d)")
     p.add_argument("--mixed-precision", choices=MIXED, help="default: bf16 where supported, else no")
     p.add_argument("--compile", action="store_true", help="torch.compile (inductor)")
-    p.add_argument("--fsdp", dest="sharding", action="store_const", const="fsdp", default="none")
-    p.add_argument("--deepspeed", dest="sharding", action="store_const", const="deepspeed")
-    p.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage")
+    p.add_argument(
+        "--fsdp",
+        dest="sharding",
+        action="store_const",
+        const="fsdp",
+        default="none",
+        help="shard parameters, gradients and optimizer state with FSDP2 (GPUs, or CPU processes with --cpu)",
+    )
+    p.add_argument("--deepspeed", dest="sharding", action="store_const", const="deepspeed", help="refused: use --fsdp")
+    p.add_argument("--zero-stage", type=int, default=2, help=argparse.SUPPRESS)  # DeepSpeed, refused
     p.add_argument("--slurm", action="store_true", help="also write <dir>/<name>.slurm.sh")
     p.add_argument(
         "--no-requeue",
@@ -365,10 +370,10 @@ def write_config(a) -> int:
                 "machine reaches it (e.g. its cluster-network IP)."
             ]
         )
-    if a.cpu and a.sharding != "none":
-        return _refuse(
-            [f"{a.sharding.upper()} on CPU is not supported here; on CPU use plain DDP (drop --{a.sharding})."]
-        )
+    if a.sharding == "deepspeed":
+        from accel_trainer.sharding import DEEPSPEED_REFUSAL
+
+        return _refuse([DEEPSPEED_REFUSAL.format(where="--deepspeed ")])
     if a.rdzv_timeout <= 0:
         return _refuse([f"--rdzv-timeout {a.rdzv_timeout}: must be a positive number of seconds."])
     if a.max_restarts and a.rdzv != "c10d":

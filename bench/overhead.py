@@ -2,7 +2,9 @@
 
   plain    a hand-written PyTorch loop (DataLoader, forward, backward, AdamW step, LR schedule, zero_grad)
   accel    the same loop written on bare Accelerate (prepare, accelerator.backward, prepared optimizer/scheduler)
-  trainer  accel_trainer.Trainer.fit on a recipe with the same model, data, optimizer and schedule
+  trainer  accel_trainer.Trainer.fit on a recipe with the same model, data, optimizer and schedule, logging once
+  logged   the same Trainer logging every 10 updates (metrics.jsonl rows with throughput, step time, data wait,
+           memory: the cost of what a run shows about itself)
 
 Model: MLP 256-512-512-10, batch 64, AdamW, linear LR decay, no clipping, fp32, one CPU thread. The three
 are run interleaved for --rounds rounds of --steps steps each; we report the median ms/step and the ratios.
@@ -82,7 +84,7 @@ def bare_accelerate(steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def trainer(steps: int) -> float:
+def trainer(steps: int, logging_steps: int = 10**9) -> float:
     recipe = Recipe(
         name="overhead",
         build_model=lambda ctx: make_model(),
@@ -99,7 +101,7 @@ def trainer(steps: int) -> float:
                 per_device_train_batch_size=BATCH,
                 max_steps=steps,
                 max_grad_norm=0.0,
-                logging_steps=10**9,
+                logging_steps=logging_steps,
                 save_steps=0,
                 disable_tqdm=True,
             ),
@@ -117,7 +119,7 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    loops = {"plain": plain, "accel": bare_accelerate, "trainer": trainer}
+    loops = {"plain": plain, "accel": bare_accelerate, "trainer": trainer, "logged": lambda n: trainer(n, 10)}
     for fn in loops.values():  # warm-up: imports, allocator, first-call costs
         fn(50)
     times = {name: [] for name in loops}
@@ -131,7 +133,7 @@ def main():
         print(f"  {name:8s} {med[name]:7.3f} ms/step {spread:>20s}   x{med[name] / med['plain']:.3f} of plain")
     print(
         f"trainer / plain = {med['trainer'] / med['plain']:.3f}; accel / plain = {med['accel'] / med['plain']:.3f}; "
-        f"trainer / accel = {med['trainer'] / med['accel']:.3f}"
+        f"trainer / accel = {med['trainer'] / med['accel']:.3f}; logged / plain = {med['logged'] / med['plain']:.3f}"
     )
 
 

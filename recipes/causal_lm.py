@@ -250,8 +250,12 @@ def eval_step(model, batch):
     return {"loss": sums, "n_items": counts}
 
 
-def generate_sample(model, tokenizer, prompt: str = "", max_new_tokens: int = 40, seed: int = 0) -> str:
-    """A short sampled continuation of `prompt` (from BOS/EOS if empty), without touching the training RNG."""
+def generate_sample(
+    model, tokenizer, prompt: str = "", max_new_tokens: int = 40, seed: int = 0, synced_gpus: bool = False
+) -> str:
+    """A short sampled continuation of `prompt` (from BOS/EOS if empty), without touching the training RNG.
+    `synced_gpus`: every process keeps stepping until all are done (transformers' switch for sharded models,
+    whose every forward is a collective): no rank can stop at EOS while another still generates."""
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"] if prompt else None
     if ids is None or ids.numel() == 0:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -270,6 +274,7 @@ def generate_sample(model, tokenizer, prompt: str = "", max_new_tokens: int = 40
             top_k=50,
             max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
+            synced_gpus=synced_gpus,
         )
     model.train(was_training)
     return tokenizer.decode(out[0], skip_special_tokens=True)
@@ -283,13 +288,15 @@ def on_evaluate_end(trainer, metrics, final):
     args = trainer.recipe_args
     if args.sample_max_new_tokens > 0:
         # Every rank generates (the same sample: same weights and seed), so that a sharded model, whose forward
-        # is a collective, is never run by one rank alone; only the main process prints it.
+        # is a collective, is never run by one rank alone; only the main process prints it. Under FSDP the ranks
+        # also agree at every step on whether to go on (synced_gpus), so that none can stop first and hang the others.
         sample = generate_sample(
             trainer.unwrapped_model,
             tokenizer_for(args),
             args.sample_prompt,
             args.sample_max_new_tokens,
             seed=trainer.args.seed,
+            synced_gpus=trainer.sharded and trainer.accelerator.num_processes > 1,
         )
         trainer.reporter.print(f"[sample @ step {trainer.global_step}] {sample!r}")
         extra["eval_sample"] = sample

@@ -7,6 +7,8 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                exit_at=R:N    rank R exits with status 3 after update N, on the first elastic
                                               attempt only
                                hang_at=R:N    rank R stops making progress after update N (SIGTERM ends it)
+
+Under FSDP its `loss` also checks that no gradient was synced inside an accumulation window (see loss()).
 """
 
 import os
@@ -26,7 +28,6 @@ from regression import (  # noqa: E402,F401
     configure,
     defaults,
     eval_step,
-    loss,
 )
 
 from accel_trainer.faults import restart_count  # noqa: E402
@@ -37,6 +38,19 @@ name = "regression"
 @dataclass
 class Args(regression.Args):
     faults: str = ""  # see the module docstring
+
+
+def loss(model, batch):
+    """regression.loss. Under FSDP, first: no sharded gradient exists yet. The Trainer keeps gradient sync off
+    (set_requires_gradient_sync) until the last micro-batch of a window, so FSDP2 holds the window's gradients
+    unsharded and writes the sharded .grad only at that last backward; the optimizer step then clears it. A sync
+    on an earlier micro-batch would show here as a .grad at the next loss() call."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        synced = [name for name, p in model.named_parameters() if p.grad is not None]
+        assert not synced, f"FSDP reduced gradients inside an accumulation window: {synced}"
+    return regression.loss(model, batch)
 
 
 def _faults(trainer) -> dict:

@@ -82,3 +82,22 @@ def test_help_lists_every_field_with_default():
     text = " ".join(proc.stdout.split())
     assert "AdamW. (default: 0.01)" in text  # the recipe's own learning rate default
     assert "--hidden_size HIDDEN_SIZE, --hidden-size HIDDEN_SIZE int (default: 32)" in text
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--mixed_precision", "fp16"], "fp16 mixed precision on a CPU"),  # Accelerate would silently train in fp32
+    ],
+)
+def test_settings_that_would_be_ignored_on_a_cpu_are_refused(flags, message, capsys, tmp_path):
+    code, err = fail(["--output_dir", str(tmp_path / "o"), "--max_steps", "2"] + flags, capsys)
+    assert code == 1 and message in err
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_bf16_comm_hook_on_gloo_is_refused(tmp_path):
+    proc = run("regression.py", ["--output_dir", str(tmp_path / "o"), "--max_steps", "2", "--ddp_comm_hook", "bf16"],
+               nproc=2, check=False)  # fmt: skip
+    # each worker prints our one line (torchrun then reports the failed workers in its own way)
+    assert proc.returncode != 0 and "error: --ddp_comm_hook bf16 needs NCCL" in proc.stderr + proc.stdout

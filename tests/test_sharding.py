@@ -1,282 +1,458 @@
-"""FSDP2 on CPU/gloo through accel_trainer.sharding, with real 2-process launches (world size and distributed type
-asserted by the worker, tests/sharding_worker.py), and the refusals.
+"""FSDP2 through the Trainer and the shipped recipes on CPU/gloo, with real 2-process launches. Every launch's
+run_config.json says the world size and the distributed type it got (Accelerate on CPU silently gives DDP when
+asked for FSDP; accel_trainer.sharding makes it shard) and what each rank holds.
 
-- FSDP == DDP == 1 process over the same global batches: masked targets (items per micro-batch vary),
-  accumulation 2, clipping active, across epoch boundaries; a regression MLP and a tiny GPT-2 (wrapped by
-  `_no_split_modules`, tied embeddings).
-- The sharding is real: DTensor parameters, each rank holds half; no gradient sync inside the window.
-- Checkpoints: accelerator.save_state (DCP) on 2 processes -> load_state on 2: bit-identical continuation;
-  -> load_resharded on 1 process: model and optimizer state bit-identical; model.safetensors loads into the
-  plain model.
-- The shipped accelerate_configs/gpu_1x8_fsdp_bf16.yaml (with use_cpu) launches and shards; bf16 params with
-  fp32 reduction.
+- The wizard's CPU FSDP config (`accel-trainer config --cpu --processes-per-machine 2 --fsdp`), launched with
+  `accel-trainer launch`, trains the regression recipe sharded. 2-process FSDP == 2-process DDP == 1 process over
+  the same global batches: masked targets, accumulation 2, clipping active, two epoch boundaries. Under FSDP the
+  recipe (tests/fault_recipe.py) checks that no gradient is reduced inside an accumulation window.
+- SIGKILL mid-run under FSDP, resume from `latest`: the final model.safetensors is byte-identical.
+- The final model.safetensors (and best/) is the full plain model; the last sharded (DCP) checkpoint loads into the
+  plain model bit for bit; a 2-process FSDP checkpoint resumes on 1 process.
+- A tiny GPT-2 from a config through recipes/causal_lm.py (FSDP from `accelerate launch --use_fsdp` flags):
+  FSDP == 1 process, wrapped by `_no_split_modules`, the eval sample generated on every rank.
+- The shipped accelerate_configs/gpu_1x8_fsdp_bf16.yaml (use_cpu, 2 processes) shards with bf16 parameters and
+  fp32 gradient reduction.
+- Refusals: DeepSpeed (wizard in tests/test_wizard.py, launch, Trainer), FSDP that would not shard, EMA under FSDP.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
-from helpers import ROOT, env, free_port
-from safetensors import safe_open
+from accelerate.utils import DistributedType
+from helpers import RECIPES, ROOT, env, free_port, launch_cmd, metrics, run_config
 from safetensors.torch import load_file, load_model
 
 from accel_trainer import checkpoint as ckpt
 from accel_trainer import sharding
 
-WORKER = os.path.join(ROOT, "tests", "sharding_worker.py")
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-import sharding_worker  # noqa: E402
+sys.path.insert(0, RECIPES)
+import regression  # noqa: E402
+
+FAULT_RECIPE = os.path.join(ROOT, "tests", "fault_recipe.py")
+DEADLINE = 240  # seconds any launch may take on a loaded 2-core machine
+# 256 samples, global batch 32 (8 per process x 2 processes x accumulation 2, or 16 x 1 x 2): 8 updates per epoch,
+# so 20 updates cross two epoch boundaries. --max_grad_norm 0.8 is below the first updates' norms: clipping acts.
+REG = ["--mask_prob", "0.3", "--gradient_accumulation_steps", "2", "--max_steps", "20", "--max_grad_norm", "0.8",
+       "--logging_steps", "1", "--save_steps", "4", "--metric_for_best_model", "eval_loss", "--disable_tqdm"]  # fmt: skip
+PER_DEVICE = {1: ["--per_device_train_batch_size", "16"], 2: ["--per_device_train_batch_size", "8"]}
 
 
-def launch(out: str, mode: str, *extra, config_file: str | None = None, timeout: float = 240):
-    """Run the worker: mode 'single' (python, 1 process), 'ddp' or 'fsdp' (accelerate launch, 2 processes)."""
-    args = [WORKER, "--out", out, "--expect", mode, "--world", "1" if mode == "single" else "2", *extra]
-    if mode == "single":
-        cmd = [sys.executable, *args]
-    else:
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2"]
-        if config_file:
-            launcher += ["--config_file", config_file]
-        else:
-            launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-            launcher += ["--use_fsdp", "--fsdp_version", "2"] if mode == "fsdp" else ["--multi_gpu"]
-        cmd = launcher + ["--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=ROOT)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{mode} exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
-        )
-    log = os.path.join(out, "log.json")  # --load_resharded writes none
-    if os.path.isfile(log):
-        with open(log) as f:
-            return json.load(f)
-    return None
+class Launch:
+    """One launch in its own session, output to a file; its whole process tree can be killed and is, at the end."""
+
+    def __init__(self, cmd: list[str], log: str):
+        self.log = open(log, "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT,
+                                     start_new_session=True)  # fmt: skip
+        self.seen: dict[int, psutil.Process] = {}
+
+    def _tree(self):
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root] + root.children(recursive=True):
+                self.seen.setdefault(p.pid, p)
+        except psutil.NoSuchProcess:
+            pass
+
+    def kill(self):
+        self._tree()
+        for p in self.seen.values():
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(self.seen.values()), timeout=10)
+
+    def wait(self) -> str:
+        try:
+            rc = self.proc.wait(timeout=DEADLINE)
+        finally:
+            self.kill()
+        assert rc == 0, f"exit {rc}:\n{self.output()[-6000:]}"
+        return self.output()
+
+    def wait_until(self, cond, poll=0.05):
+        start = time.monotonic()
+        while not cond():
+            self._tree()  # torchrun's workers live in sessions of their own: keep them on the list to kill
+            assert self.proc.poll() is None, f"exited {self.proc.returncode} early:\n{self.output()[-6000:]}"
+            assert time.monotonic() - start < DEADLINE, f"not reached within {DEADLINE} s:\n{self.output()[-6000:]}"
+            time.sleep(poll)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
 
 
-def weights(folder: str) -> dict:
-    return load_file(os.path.join(folder, "model.safetensors"))
+def fsdp_launcher(config_file: str) -> list[str]:
+    """`accel-trainer launch --config_file <FSDP config>`, as a user runs it."""
+    return [sys.executable, "-m", "accel_trainer.cli", "launch", "--config_file", config_file,
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]  # fmt: skip
 
 
-def assert_close_weights(a: dict, b: dict, atol: float, rtol: float = 1e-5):
+def last_step(out) -> int:
+    try:
+        return max((json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))), default=0)
+    except (FileNotFoundError, ValueError):  # not written yet, or a line being written
+        return 0
+
+
+def train_rows(out) -> list[dict]:
+    return [r for r in metrics(out) if "loss" in r]
+
+
+def assert_close_rows(a: list[dict], b: list[dict], keys=("loss", "grad_norm", "learning_rate")):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for key in keys:
+        torch.testing.assert_close([r[key] for r in a], [r[key] for r in b], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def assert_same(a: dict, b: dict, atol: float, rtol: float = 1e-5):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def assert_equal_weights(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs"
-
-
-# ----------------------------------------------------------------------------------------- the regression MLP
+# ---------------------------------------------------------------------------------- the regression recipe, sharded
 @pytest.fixture(scope="module")
-def mlp(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mlp")
-    runs = {
-        "fsdp": launch(str(d / "fsdp"), "fsdp", "--save_at", "3"),
-        "ddp": launch(str(d / "ddp"), "ddp"),
-        "single": launch(str(d / "single"), "single"),
+def reg(tmp_path_factory):
+    """The wizard's CPU FSDP config; then, started together (they are mostly start-up time): FSDP, DDP and 1-process
+    runs, and an FSDP run killed mid-epoch; then the killed run resumed from `latest`, and the FSDP run's
+    mid-epoch checkpoint resumed on 1 process."""
+    from accel_trainer.cli import main as cli
+
+    d = tmp_path_factory.mktemp("reg")
+    assert cli(["config", "--cpu", "--processes-per-machine", "2", "--fsdp", "--dir", str(d), "--name", "cpu_fsdp",
+                "--no-interactive"]) == 0  # fmt: skip
+    config = str(d / "cpu_fsdp.yaml")
+    out = {name: str(d / name) for name in ("fsdp", "ddp", "single", "killed", "one")}
+    script = os.path.join(RECIPES, "regression.py")
+    started = {
+        "fsdp": Launch(
+            fsdp_launcher(config) + [script, "--output_dir", out["fsdp"]] + REG + PER_DEVICE[2], out["fsdp"] + ".log"
+        ),  # fmt: skip
+        "ddp": Launch(launch_cmd(2) + [script, "--output_dir", out["ddp"]] + REG + PER_DEVICE[2], out["ddp"] + ".log"),
+        "single": Launch(
+            [sys.executable, script, "--output_dir", out["single"]] + REG + PER_DEVICE[1], out["single"] + ".log"
+        ),  # fmt: skip
+        "killed": Launch(
+            fsdp_launcher(config)
+            + [FAULT_RECIPE, "--output_dir", out["killed"], "--faults", "step_delay=0.3"]
+            + REG
+            + PER_DEVICE[2],
+            out["killed"] + ".log",
+        ),  # fmt: skip
     }
-    runs["resume"] = launch(str(d / "resume"), "fsdp", "--save_at", "3", "--resume", str(d / "fsdp" / "ckpt"))
-    launch(str(d / "reshard"), "single", "--load_resharded", str(d / "fsdp" / "ckpt"))
-    return d, runs
+    try:
+        started["killed"].wait_until(lambda: last_step(out["killed"]) >= 6)  # checkpoint step_4 is written
+        started["killed"].kill()
+        killed_at = last_step(out["killed"])
+        logs = {name: run.wait() for name, run in started.items() if name != "killed"}
+        # the 2-process FSDP run's checkpoint at update 4 (mid-epoch), continued on 1 process
+        shutil.copytree(os.path.join(out["fsdp"], "checkpoints", "step_4"), os.path.join(out["one"], "checkpoints",
+                        "step_4"))  # fmt: skip
+        started["resumed"] = Launch(fsdp_launcher(config) + [FAULT_RECIPE, "--output_dir", out["killed"],
+                                    "--resume_from_checkpoint", "latest"] + REG + PER_DEVICE[2],
+                                    out["killed"] + "-resumed.log")  # fmt: skip
+        started["one"] = Launch([sys.executable, script, "--output_dir", out["one"], "--resume_from_checkpoint",
+                                "latest"] + REG + PER_DEVICE[1], out["one"] + ".log")  # fmt: skip
+        logs["resumed"], logs["one"] = started["resumed"].wait(), started["one"].wait()
+    finally:
+        for run in started.values():
+            run.kill()
+    return SimpleNamespace(out=out, logs=logs, killed_at=killed_at)
 
 
-def test_fsdp_equals_ddp_equals_one_process(mlp):
-    d, runs = mlp
-    assert [runs[m]["distributed_type"] for m in ("fsdp", "ddp", "single")] == ["FSDP", "MULTI_CPU", "NO"]
-    for m in ("fsdp", "ddp"):
-        # losses, gradient norms before clipping (sensitive to the item weighting: Adam's step is not) and the
-        # learning rate (the scheduler stepped once per update, not once per process)
-        for key in ("losses", "grad_norms", "lrs"):
-            torch.testing.assert_close(runs[m][key], runs["single"][key], rtol=1e-5, atol=1e-7)
-    assert max(runs["single"]["grad_norms"]) > 0.5  # --max_grad_norm 0.5: clipping was active
-    assert_close_weights(weights(d / "fsdp"), weights(d / "ddp"), atol=1e-6)
-    assert_close_weights(weights(d / "fsdp"), weights(d / "single"), atol=1e-6)
-
-
-def test_fsdp_really_shards(mlp):
-    _, runs = mlp
-    ranks = runs["fsdp"]["per_rank"]
-    assert len(ranks) == 2
+def test_each_run_got_the_world_and_type_it_asked_for(reg):
+    for name, world, kind in (("fsdp", 2, "FSDP"), ("ddp", 2, "MULTI_CPU"), ("single", 1, "NO"), ("killed", 2, "FSDP"),
+                              ("one", 1, "NO")):  # fmt: skip
+        config = run_config(reg.out[name])
+        assert (config["num_processes"], config["topology"]["distributed_type"]) == (world, kind), name
+        assert len(config["sharding"]) == world
+    ranks = run_config(reg.out["fsdp"])["sharding"]
     total = ranks[0]["params"]
-    assert sum(r["params_local"] for r in ranks) == total  # disjoint shards that cover the model
-    for r in ranks:
-        assert r["sharded"] == "fsdp2" and r["world_size"] == 2
-        assert r["params_local"] == total // 2  # every dim 0 of this MLP is even: exactly half each
-        # AdamW's two moments of the local shard only, plus a 4-byte step counter per parameter tensor
-        assert r["optimizer_bytes"] == 2 * r["param_bytes"] + 4 * 4
+    assert total == sum(p.numel() for p in regression.build_model(SimpleNamespace(args=regression.Args())).parameters())
+    for r in ranks:  # each rank holds its half of every parameter, as DTensor shards
+        assert r["sharded"] == "fsdp2" and r["world_size"] == 2 and r["params_local"] * 2 == total
+        assert r["wrap"].startswith("size-based") and r["master_dtype"] == "float32"
+    assert "sharded" not in run_config(reg.out["ddp"])["sharding"][0]  # DDP: every rank holds all of it
+    assert "accel-trainer launch: accelerate launch --config_file" in reg.logs["fsdp"]
 
 
-def test_exact_resume_after_dcp_checkpoint(mlp):
-    d, runs = mlp
-    assert len(runs["resume"]["losses"]) == 2  # updates 4 and 5, after loading the checkpoint of update 3
-    assert runs["resume"]["losses"] == runs["fsdp"]["losses"][3:]
-    assert_equal_weights(weights(d / "resume"), weights(d / "fsdp"))
-    dcp_dirs = {p for p in os.listdir(d / "fsdp" / "ckpt")}
-    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= dcp_dirs  # sharded through DCP, not one full file
-    assert ckpt.is_sharded_checkpoint(str(d / "fsdp" / "ckpt"))
-    ckpt.check_compatible_sharded(str(d / "fsdp" / "ckpt"), sharding_worker.build_model("mlp"))
-    wider = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    with pytest.raises(ckpt.CheckpointError, match=r"0.weight: \(32, 16\) in the checkpoint, \(64, 16\) in this"):
-        ckpt.check_compatible_sharded(str(d / "fsdp" / "ckpt"), wider)
+def test_fsdp_equals_ddp_equals_one_process(reg):
+    fsdp, ddp, single = (train_rows(reg.out[n]) for n in ("fsdp", "ddp", "single"))
+    assert len(single) == 20 and single[-1]["epoch"] == 2.5  # two epoch boundaries crossed
+    assert max(r["grad_norm"] for r in single) > 0.8  # clipping acted (the norm is logged before clipping)
+    # losses, gradient norms (sensitive to the item weighting, which Adam's step is not) and the learning rate (the
+    # scheduler stepped once per update, not once per process)
+    assert_close_rows(fsdp, single)
+    assert_close_rows(ddp, single)
+    evals = {n: [r for r in metrics(reg.out[n]) if "eval_loss" in r] for n in ("fsdp", "single")}
+    assert [r["eval_samples"] for r in evals["fsdp"]] == [64, 64, 64]  # every eval sample once, gathered
+    assert_close_rows(evals["fsdp"], evals["single"], keys=("eval_loss", "eval_mse"))
+    w = {n: load_file(os.path.join(reg.out[n], "model.safetensors")) for n in ("fsdp", "ddp", "single")}
+    assert_same(w["fsdp"], w["ddp"], atol=1e-6)
+    assert_same(w["fsdp"], w["single"], atol=1e-6)
 
 
-def test_two_process_checkpoint_resumes_on_one(mlp):
-    d, _ = mlp
-    # the 1-process plain model + AdamW after load_resharded == what the 2-process run held at that update
-    assert_equal_weights(weights(d / "reshard"), weights(d / "fsdp" / "ckpt_full"))
-    mine = torch.load(d / "reshard" / "optimizer.pt", weights_only=True)
-    theirs = torch.load(d / "fsdp" / "ckpt_full" / "optimizer.pt", weights_only=True)
-    assert mine.keys() == theirs.keys() and len(mine) == 4
-    for name in mine:
-        assert mine[name].keys() == theirs[name].keys() == {"step", "exp_avg", "exp_avg_sq"}
-        for k in mine[name]:
-            assert torch.equal(mine[name][k], theirs[name][k]), (name, k)
+def test_sigkill_under_fsdp_then_resume_from_latest_is_bit_identical(reg):
+    assert 6 <= reg.killed_at < 8  # killed mid-epoch, after the checkpoint of update 4
+    assert f"Resumed from {reg.out['killed']}/checkpoints/step_4 at step 4 (epoch 0, batch 8)." in reg.logs["resumed"]
+    final = (open(os.path.join(reg.out[n], "model.safetensors"), "rb").read() for n in ("killed", "fsdp"))
+    assert next(final) == next(final)
 
 
-def test_full_model_loads_into_plain_model(mlp):
-    d, _ = mlp
-    model = sharding_worker.build_model("mlp")
-    missing, unexpected = load_model(model, d / "fsdp" / "model.safetensors")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on this one process, no group: intended
+def test_the_full_model_and_the_sharded_checkpoint(reg):
+    fsdp = reg.out["fsdp"]
+    model = regression.build_model(SimpleNamespace(args=regression.Args()))
+    missing, unexpected = load_model(model, os.path.join(fsdp, "model.safetensors"))  # plain names, one process
     assert not missing and not unexpected
-    torch.testing.assert_close(model[0].weight, weights(d / "single")["0.weight"], atol=1e-6, rtol=1e-5)
+    assert json.load(open(os.path.join(fsdp, "best", "best.json")))["metric"] == "eval_loss"
+    missing, unexpected = load_model(model, os.path.join(fsdp, "best", "model.safetensors"))  # gathered too
+    assert not missing and not unexpected
+    # The checkpoint of the last update: DCP shards of model and optimizer from both ranks, in the manifest.
+    last = os.path.join(fsdp, "checkpoints", "step_20")
+    manifest = ckpt.verify_checkpoint(last)
+    assert ckpt.is_sharded_checkpoint(last)
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {f"{folder}/.metadata", f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp"} <= set(manifest["files"])
+    # ... loads into the plain model on this one process: exactly the weights the run ended with
+    model, plain = (
+        regression.build_model(SimpleNamespace(args=regression.Args())),
+        load_file(f"{fsdp}/model.safetensors"),
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt.load_resharded(last, model, optimizer)
+    assert all(torch.equal(v, plain[k]) for k, v in model.state_dict().items())
+    assert {s["step"].item() for s in optimizer.state.values()} == {20.0}
+    wider = regression.build_model(SimpleNamespace(args=regression.Args(hidden_size=64)))
+    with pytest.raises(ckpt.CheckpointError, match=r"0.weight: \(32, 16\) in the checkpoint, \(64, 16\) in this"):
+        ckpt.check_compatible_sharded(last, wider)
 
 
-def test_dcp_metadata_check(mlp, tmp_path):
-    d, _ = mlp
-    folder = str(d / "fsdp" / "ckpt")
-    manifest = {"files": {os.path.relpath(os.path.join(r, f), folder): {} for r, _, fs in os.walk(folder) for f in fs}}
-    assert sum(f.endswith(".metadata") for f in manifest["files"]) == 2
-    ckpt.check_dcp_metadata_safe(folder, manifest)  # DCP's own metadata passes
+def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(reg):
+    assert "Resumed from" in reg.logs["one"] and "written by 2 processes: batch 8 there" in reg.logs["one"]
+    # Exact: the weights and optimizer state loaded (DCP matches tensors by name and offset) and the data position.
+    # Not exact: the sum over 2 ranks is in another order than on 1 (fp32 rounding), and per-rank random streams.
+    one, fsdp = train_rows(reg.out["one"]), train_rows(reg.out["fsdp"])
+    assert [r["step"] for r in one] == list(range(5, 21))
+    assert_close_rows(one, fsdp[4:])
+    assert_same(load_file(f"{reg.out['one']}/model.safetensors"), load_file(f"{reg.out['fsdp']}/model.safetensors"),
+                atol=1e-6)  # fmt: skip
 
+
+def test_sharded_checkpoint_safety(reg, tmp_path):
+    step = os.path.join(reg.out["fsdp"], "checkpoints", "step_8")
+    copy = tmp_path / "step_8"
+    shutil.copytree(step, copy)
+    shard = copy / "optimizer_0" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="__1_0.distcp is corrupt"):
+        ckpt.verify_checkpoint(str(copy))
+    # Pickled code is refused before torch sees it, and does not run: in a .metadata (which torch reads with plain
+    # pickle), and in a shard's non-tensor item (which torch reads with weights_only=False, e.g. AdamW's lr).
     marker = tmp_path / "pwned"
 
     class Payload:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    bad = tmp_path / "bad"
-    (bad / "pytorch_model_fsdp_0").mkdir(parents=True)
-    with open(bad / "pytorch_model_fsdp_0" / ".metadata", "wb") as f:
-        pickle.dump(Payload(), f)
-    with pytest.raises(ckpt.CheckpointError, match="cannot be loaded safely"):
-        ckpt.check_dcp_metadata_safe(str(bad), {"files": {"pytorch_model_fsdp_0/.metadata": {}}})
+    evil = io.BytesIO()
+    torch.save(Payload(), evil)
+    copy = tmp_path / "byte_item"
+    shutil.copytree(step, copy)
+    meta = pickle.loads((copy / "optimizer_0" / ".metadata").read_bytes())  # our own, known-good file
+    index = next(i for i in meta.storage_data if i.fqn.endswith("param_groups.0.lr"))
+    info = meta.storage_data[index]
+    shard = copy / "optimizer_0" / info.relative_path
+    meta.storage_data[index] = dataclasses.replace(info, offset=shard.stat().st_size, length=len(evil.getvalue()))
+    shard.write_bytes(shard.read_bytes() + evil.getvalue())
+    (copy / "optimizer_0" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=r"item optimizer\.param_groups\.0\.lr\) cannot be loaded safely"):
+        ckpt.check_dcp_metadata_safe(str(copy), {"files": {"optimizer_0/.metadata": {}}})
+    (copy / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ckpt.CheckpointError, match=".metadata cannot be loaded safely"):
+        ckpt.check_dcp_metadata_safe(str(copy), {"files": {"pytorch_model_fsdp_0/.metadata": {}}})
     assert not marker.exists()
+    # a checkpoint written without FSDP cannot be resumed sharded: refused, not half-loaded
+    fsdp_run = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    ddp_step = os.path.join(reg.out["ddp"], "checkpoints", "step_4")
+    with pytest.raises(ckpt.CheckpointError, match="written without FSDP"):
+        ckpt.load_checkpoint(fsdp_run, ddp_step, regression.build_model(SimpleNamespace(args=regression.Args())))
 
 
-# -------------------------------------------------------------------------------------- a tiny transformers LM
-def test_causal_lm_fsdp_equals_one_process(tmp_path):
-    fsdp = launch(str(tmp_path / "fsdp"), "fsdp", "--model", "lm")
-    single = launch(str(tmp_path / "single"), "single", "--model", "lm")
-    info = fsdp["sharding"]
-    assert info["wrap"] == "transformer blocks GPT2Block (from _no_split_modules)"
-    assert info["params_local"] * 2 == info["params"]
-    for key in ("losses", "grad_norms", "lrs"):
-        torch.testing.assert_close(fsdp[key], single[key], rtol=1e-5, atol=1e-6)
-    # Adam's step divides by sqrt of tiny second moments: 1e-5-level weight differences from the other
-    # summation order on 2 processes (DDP shows the same against 1 process)
-    a, b = weights(tmp_path / "fsdp"), weights(tmp_path / "single")
-    assert_close_weights(a, b, atol=1e-4, rtol=1e-4)
-    # tied lm_head/wte stored once, as safetensors' save_model stores it; loads into the plain model
-    with safe_open(tmp_path / "fsdp" / "model.safetensors", "pt") as f:
-        assert f.metadata().get("transformer.wte.weight") == "lm_head.weight"
-    model = sharding_worker.build_model("lm")
-    missing, unexpected = load_model(model, tmp_path / "fsdp" / "model.safetensors")
-    assert not missing and not unexpected
-    assert model.lm_head.weight is model.transformer.wte.weight
+# ------------------------------------------------------------------------------- a tiny transformers causal LM
+@pytest.fixture(scope="module")
+def lm_files(tmp_path_factory):
+    from text_fixtures import make_text_files, make_tiny_gpt2
+
+    d = tmp_path_factory.mktemp("lm")
+    train, valid = make_text_files(str(d / "text"))
+    config = make_tiny_gpt2(str(d / "tiny-gpt2-config"), weights=False)  # a config and a tokenizer: random init
+    return SimpleNamespace(root=d, train=train, valid=valid, config=config, cache=str(d / "cache"))
 
 
-# ---------------------------------------------------------------------------- the shipped config, bf16 policy
-def test_shipped_fsdp_config_shards_on_cpu_with_bf16_params_fp32_reduce(tmp_path):
-    with open(os.path.join(ROOT, "accelerate_configs", "gpu_1x8_fsdp_bf16.yaml")) as f:
-        text = f.read()
-    assert "use_cpu: false" in text and "mixed_precision: bf16" in text
+def lm_args(f, out, *extra) -> list[str]:
+    # 40 lines, global batch 16 in micro-batches of 8: 3 updates per epoch (the last one a single micro-batch), so
+    # 6 updates cross an epoch boundary. Lines of different lengths, padding masked: items vary per micro-batch.
+    # --adam_epsilon 1e-6: see tests/test_causal_lm.py (float noise of nearly cancelling gradients).
+    return [os.path.join(RECIPES, "causal_lm.py"), "--output_dir", str(out), "--config_name", f.config,
+            "--tokenizer_name", f.config, "--train_file", f.train, "--validation_file", f.valid, "--cache_dir", f.cache,
+            "--packing", "false", "--block_size", "64", "--max_train_samples", "40", "--learning_rate", "1e-3",
+            "--adam_epsilon", "1e-6", "--gradient_accumulation_steps", "2", "--logging_steps", "1", "--save_steps",
+            "0", "--eval_steps", "2", "--per_device_eval_batch_size", "3", "--sample_max_new_tokens", "6",
+            "--seed", "3", "--disable_tqdm", *extra]  # fmt: skip
+
+
+def test_causal_lm_fsdp_equals_one_process(lm_files):
+    f = lm_files
+    out = {n: f.root / n for n in ("fsdp", "single")}
+    # FSDP from the launcher's flags this time (what `accelerate launch --use_fsdp` sets in the environment)
+    use_fsdp = [sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2",
+                "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1",
+                "--main_process_port", str(free_port())]  # fmt: skip
+    runs = [
+        Launch(
+            use_fsdp + lm_args(f, out["fsdp"], "--max_steps", "6", "--per_device_train_batch_size", "4"),
+            str(out["fsdp"]) + ".log",
+        ),  # fmt: skip
+        Launch(
+            [sys.executable] + lm_args(f, out["single"], "--max_steps", "6", "--per_device_train_batch_size", "8"),
+            str(out["single"]) + ".log",
+        ),  # fmt: skip
+    ]
+    try:
+        logs = [r.wait() for r in runs]
+    finally:
+        for r in runs:
+            r.kill()
+    config = run_config(out["fsdp"])
+    assert (config["num_processes"], config["topology"]["distributed_type"]) == (2, "FSDP")
+    assert config["sharding"][0]["wrap"] == "transformer blocks GPT2Block (from _no_split_modules)"
+    assert all(r["params_local"] * 2 == r["params"] for r in config["sharding"])
+    fsdp, single = train_rows(out["fsdp"]), train_rows(out["single"])
+    assert len(fsdp) == 6 and fsdp[-1]["epoch"] == 2.0
+    assert_close_rows(fsdp, single)
+    # The eval sample is generated by every rank (synced_gpus), printed by rank 0: 3 evaluations, no hang.
+    assert logs[0].count("[sample @ step") == 3
+    assert [r["eval_loss"] for r in metrics(out["fsdp"]) if "eval_loss" in r] == pytest.approx(
+        [r["eval_loss"] for r in metrics(out["single"]) if "eval_loss" in r], rel=1e-5)  # fmt: skip
+    a, b = load_file(out["fsdp"] / "model.safetensors"), load_file(out["single"] / "model.safetensors")
+    assert_same(a, b, atol=1e-5)
+    # the full plain model, tied lm_head/wte stored once as safetensors' save_model does; loads on one process
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(f.config))
+    missing, unexpected = load_model(model, out["fsdp"] / "model.safetensors")
+    assert not missing and not unexpected and model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_shipped_fsdp_bf16_config_shards_on_cpu_with_fp32_reduction(lm_files, tmp_path):
+    with open(os.path.join(ROOT, "accelerate_configs", "gpu_1x8_fsdp_bf16.yaml")) as fh:
+        text = fh.read()
+    assert "use_cpu: false" in text and "mixed_precision: bf16" in text and "num_processes: 8" in text
     config = tmp_path / "cpu_fsdp_bf16.yaml"
-    config.write_text(text.replace("use_cpu: false", "use_cpu: true"))
-    log = launch(str(tmp_path / "bf16"), "fsdp", "--reduce_dtype", "fp32", "--steps", "2", config_file=str(config))
-    assert log["distributed_type"] == "FSDP" and log["sharding"]["world_size"] == 2
-    assert log["mp_policy"] == {
-        "master_dtype": "torch.float32",  # the sharded parameters the optimizer updates
-        "compute_dtype": "torch.bfloat16",
-        "param_dtype": "torch.bfloat16",
-        "reduce_dtype": "torch.float32",
-    }
-    assert all(torch.isfinite(torch.tensor(log["losses"])))
+    config.write_text(text.replace("use_cpu: false", "use_cpu: true"))  # the same file, on CPU processes
+    out = tmp_path / "bf16"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]  # fmt: skip
+    run = Launch(cmd + lm_args(lm_files, out, "--max_steps", "2", "--per_device_train_batch_size", "4",
+                 "--fsdp_reduce_dtype", "fp32"), str(out) + ".log")  # fmt: skip
+    run.wait()
+    config = run_config(out)
+    assert (config["num_processes"], config["topology"]["distributed_type"]) == (2, "FSDP")
+    assert config["topology"]["mixed_precision"] == "bf16"
+    for r in config["sharding"]:  # fp32 master shards, all-gathered and computed in bf16, gradients reduced in fp32
+        assert (r["master_dtype"], r["param_dtype"], r["reduce_dtype"]) == ("float32", "bfloat16", "float32")
+        assert r["wrap"] == "transformer blocks GPT2Block (from _no_split_modules)"
+    rows = train_rows(out)
+    assert len(rows) == 2 and all(0 < r["loss"] < 20 and r["grad_norm"] > 0 for r in rows)
 
 
-# -------------------------------------------------------------------------------------- in-process: refusals
-def test_refuse_deepspeed(monkeypatch):
-    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
-    sharding.refuse_deepspeed()  # nothing asked: no error
-    sharding.refuse_deepspeed({"distributed_type": "MULTI_GPU"})
-    with pytest.raises(sharding.ShardingError, match="Shard with FSDP instead"):
-        sharding.refuse_deepspeed({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}}, "x.yaml ")
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    with pytest.raises(sharding.ShardingError, match="fsdp_version: 2"):
-        sharding.refuse_deepspeed()
+# ------------------------------------------------------------------------------------- refusals, in-process
+def _fail(argv, capsys) -> str:
+    from accel_trainer import run as run_recipe
+
+    with pytest.raises(SystemExit) as e:
+        run_recipe(regression, argv + ["--disable_tqdm"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err  # one line, no traceback
+    return err
 
 
-def test_fsdp1_and_one_process_are_refused(monkeypatch):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+def test_the_trainer_refuses_what_would_not_shard(tmp_path, monkeypatch, capsys):
+    out = ["--output_dir", str(tmp_path / "o")]
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` sets for a DeepSpeed config
+    assert "Shard with FSDP instead" in _fail(out, capsys)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    assert "--fsdp_reduce_dtype applies to FSDP only" in _fail(out + ["--fsdp_reduce_dtype", "fp32"], capsys)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` sets for an FSDP config
     monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(sharding.ShardingError, match="fsdp_version: 2"):
-        sharding.fsdp_plugin()
+    assert "fsdp_version: 2" in _fail(out, capsys)
     monkeypatch.setenv("FSDP_VERSION", "2")
-    plugin = sharding.fsdp_plugin()
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
-    with pytest.raises(sharding.ShardingError, match="1 process"):
-        sharding.activate_fsdp(acc, plugin)
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(sharding.ShardingError, match="not sharded"):
-        sharding.assert_sharded(acc, model)  # a config that asks for FSDP and gets anything else is an error
-    with pytest.raises(sharding.ShardingError, match="asks for FSDP"):
-        sharding.prepare_sharded(acc, model, torch.optim.SGD(model.parameters(), lr=0.1))
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
+    assert "this run has 1 process: there is nothing to shard over" in _fail(out, capsys)
+    assert "--ema_decay is not supported with FSDP" in _fail(out + ["--ema_decay", "0.9"], capsys)
+    assert not os.path.exists(tmp_path / "o")  # refused before anything was written
 
 
-def test_ema_refused_under_fsdp():
-    from accelerate.utils import DistributedType
+def test_launch_refuses_deepspeed_and_cpu_with_an_fsdp_config(tmp_path, capsys):
+    from accel_trainer.launch import launch
+    from accel_trainer.wizard import build_config
 
-    class Acc:
-        distributed_type = DistributedType.FSDP
+    fsdp, ds = tmp_path / "fsdp.yaml", tmp_path / "ds.yaml"
+    build_config(1, 2, cpu=True, sharding="fsdp").to_yaml_file(str(fsdp))
+    build_config(1, 2, sharding="deepspeed").to_yaml_file(str(ds))
+    script = os.path.join(RECIPES, "regression.py")
+    assert launch(["--config_file", str(ds), script]) == 2
+    assert "The config asks for DeepSpeed" in capsys.readouterr().err
+    assert launch(["--use_deepspeed", "--num_processes", "2", script]) == 2
+    assert "--use_deepspeed asks for DeepSpeed" in capsys.readouterr().err
+    assert launch(["--cpu", "--config_file", str(fsdp), script]) == 2  # accelerate would run ONE process, no FSDP
+    assert "set `use_cpu: true` in the config" in capsys.readouterr().err
 
-    sharding.refuse_ema(Acc(), 0.0)
-    with pytest.raises(sharding.ShardingError, match="ema_decay"):
-        sharding.refuse_ema(Acc(), 0.999)
 
-
-def test_wrap_policy(monkeypatch):
+def test_wrap_policy_and_mixed_precision_policy(monkeypatch):
     from accelerate import FullyShardedDataParallelPlugin
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     monkeypatch.delenv("FSDP_AUTO_WRAP_POLICY", raising=False)
-    mlp = sharding_worker.build_model("mlp")
-    lm = sharding_worker.build_model("lm")
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
-    assert sharding.configure_wrapping(plugin, lm) == "transformer blocks GPT2Block (from _no_split_modules)"
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    mlp = regression.build_model(SimpleNamespace(args=regression.Args()))
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+
+    def plugin(**kw):
+        return FullyShardedDataParallelPlugin(fsdp_version=2, **kw)
+
+    transformer = {"auto_wrap_policy": "transformer_based_wrap"}
     assert (
-        sharding.configure_wrapping(plugin, mlp, wrap=[torch.nn.Linear])
+        sharding.configure_wrapping(plugin(**transformer), lm)
+        == "transformer blocks GPT2Block (from _no_split_modules)"
+    )
+    assert (
+        sharding.configure_wrapping(plugin(**transformer), mlp, wrap=[torch.nn.Linear])
         == "transformer blocks Linear (from the recipe)"
     )
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)  # no policy in the config
-    assert sharding.configure_wrapping(plugin, mlp).startswith("size-based")
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    assert sharding.configure_wrapping(plugin(), mlp).startswith("size-based")  # no classes named: by size
     with pytest.raises(sharding.ShardingError, match="no module of class GPT2Block"):
-        sharding.configure_wrapping(plugin, mlp, wrap=["GPT2Block"])
+        sharding.configure_wrapping(plugin(**transformer), mlp, wrap=["GPT2Block"])
     policy = sharding.mixed_precision_policy("bf16", "fp32")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert sharding.mixed_precision_policy("bf16", None) is None  # Accelerate's default: all bf16

@@ -138,7 +138,9 @@ def config(**kw):
         (dict(rdzv_backend="etcd"), None, "rdzv_backend"),
         (dict(), 0, "no GPU is visible"),
         (dict(), 4, "only 4 GPUs are visible"),
-        (dict(distributed_type="FSDP", use_cpu=True), None, "FSDP on CPU"),
+        (dict(distributed_type="DEEPSPEED"), None, "Shard with FSDP instead"),
+        (dict(distributed_type="FSDP", fsdp_config={"fsdp_version": 1}), None, "FSDP2 only"),
+        (dict(distributed_type="FSDP", use_cpu=True, num_processes=1, num_machines=1), None, "nothing to shard over"),
         (dict(use_cpu=True, mixed_precision="fp16"), None, "fp16 mixed precision needs a GPU"),
     ],
 )

@@ -89,7 +89,9 @@ def fake_hw(gpus, bf16=True):
             0,
             "main_process_port=70000 is out of range",
         ),
-        (["--machines", "1", "--processes-per-machine", "2", "--cpu", "--fsdp"], 0, "FSDP on CPU is not supported"),
+        (["--machines", "1", "--processes-per-machine", "2", "--cpu", "--deepspeed"], 0, "Shard with FSDP instead"),
+        (["--machines", "1", "--gpus-per-machine", "8", "--deepspeed"], 8, "--deepspeed asks for DeepSpeed"),
+        (["--machines", "1", "--processes-per-machine", "1", "--cpu", "--fsdp"], 0, "nothing to shard over"),
         (["--machines", "2", "--gpus-per-machine", "8"], 8, "--main-ip is required"),
         (
             ["--machines", "1", "--processes-per-machine", "2", "--cpu", "--mixed-precision", "fp16"],
@@ -141,6 +143,7 @@ def test_interactive_through_a_pseudo_terminal(tmp_path):
         ("Restarts allowed", "1"),
         ("Mixed precision", ""),
         ("torch.compile", "no"),
+        ("Shard the model with FSDP", ""),  # default: none
         ("Config name", "pty"),
         ("SLURM", "yes"),
     ]

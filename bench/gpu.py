@@ -1,0 +1,467 @@
+"""The GPU suite in one command: every GPU check of the project, through the recipes' and benches' command lines,
+one table on the screen and the same as JSON. Under 9 minutes on one H100/H200.
+
+    python bench/gpu.py --dataset ../shared/data/cifar10            # a GPU machine: the full suite
+    python bench/gpu.py --cpu                                       # reduced mode, any machine (~1-2 min on 2 cores)
+    python bench/gpu.py --json runs/gpu_suite.json --skip torch_compile
+
+Checks (rows), GPU mode / CPU reduced mode:
+
+  cifar_5_seeds   bench/cifar.py --seeds 5 --warmup (recipes/cifar.py default preset = airbench94, bf16): accuracy,
+                  TTA accuracy, time to 94% (training time, evals excluded), images/s; goal: mean >= 94% and time to
+                  94% < 2.5 s. CPU: 2 seeds on a tiny generated CIFAR (widths 8,16,16, batch 40, 2 epochs).
+  bf16            recipes/cifar.py --mixed_precision bf16 --nan_policy skip, 1 seed: accuracy, skipped steps (bf16 has
+                  no loss scale). CPU: the tiny run (bf16 autocast works on a CPU).
+  fp16            the same with fp16: loss scale (last and lowest logged), skipped steps. CPU: skipped -- Accelerate
+                  runs fp16 on a CPU as plain fp32 (no autocast, no loss scaler), so there is nothing to check.
+  fp8             the same with fp8 where compute capability >= 8.9 (and an fp8 backend is installed); else skipped.
+  torch_compile   bench/cifar.py --torch_compile --warmup, 2 seeds: images/s vs the eager cifar_5_seeds row, accuracy.
+                  CPU: the tiny run through recipes/cifar.py --torch_compile (inductor; ~30 s of compiling cold).
+  overhead        ms per update of recipes/regression.py (an MLP 256-512-10, batch 64, AdamW, clipping) vs the same
+                  loop hand-written, on the same device, in fresh processes: the Trainer's per-step cost; goal
+                  <= 1.02x. (bench/overhead.py measures the same on the CPU only.)
+  peak_memory     the largest peak over the cifar_5_seeds runs (torch.cuda.max_memory_allocated; CPU: peak RSS),
+                  and the Trainer's own logged peak_memory_mb when present.
+
+Every row gets a status: "ok", "failed: <one line>" (the log is under --out/logs/), or "skipped: <why>".
+Goals are judged only in GPU mode. The exit status is 1 when a row failed, else 0.
+
+Data and wheels: the GPU machine needs the CIFAR-10 folder (`--dataset`, default shared/data/cifar10 or
+../shared/data/cifar10) and the project's Python packages; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = ("cifar_5_seeds", "bf16", "fp16", "fp8", "torch_compile", "overhead", "peak_memory")
+NEEDS_CUDA = "skipped: needs CUDA"
+TINY_CIFAR = ["--widths", "8,16,16", "--batch_size", "40", "--eval_batch_size", "30", "--num_train_epochs", "2"]
+
+
+class CheckFailed(Exception):
+    """A check that could not produce its numbers; the message is the row's one-line status."""
+
+
+# ------------------------------------------------------------------------------------------------ running
+class Suite:
+    def __init__(self, a):
+        self.a = a
+        self.gpu = not a.cpu
+        self.out = os.path.abspath(a.out)
+        self.logs = os.path.join(self.out, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.rows: dict[str, dict] = {}
+        self.env = dict(os.environ)
+        self.env.update(
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            ACCELERATE_DISABLE_RICH="1",
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=ROOT + os.pathsep + self.env.get("PYTHONPATH", ""),
+        )
+        self.env.pop("WORLD_SIZE", None)
+        if not self.gpu:
+            self.env["OMP_NUM_THREADS"] = "1"  # the reduced mode is about paths, not speed: be light on a shared CPU
+            self.env["CUDA_VISIBLE_DEVICES"] = ""  # --cpu on a GPU machine means the CPU
+
+    def sh(self, name: str, cmd: list[str], timeout: float | None = None) -> str:
+        """Run a command; its output goes to logs/<name>.log. A non-zero exit raises CheckFailed with its last line."""
+        log = os.path.join(self.logs, f"{name}.log")
+        with open(log, "w") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            try:
+                rc = subprocess.run(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, timeout=timeout or self.a.timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                raise CheckFailed(f"timed out after {timeout or self.a.timeout:.0f} s (log: {log})") from None
+        with open(log) as f:
+            text = f.read()
+        if rc != 0:
+            lines = [line for line in text.splitlines() if line.strip()]
+            errors = [line for line in lines if line.startswith(("error", "Error")) or "Error:" in line]
+            line = (errors or lines or ["no output"])[-1]
+            raise CheckFailed(f"exit {rc}: {line[:200]} (log: {log})")
+        return text
+
+    def cifar_args(self) -> list[str]:
+        args = ["--dataset", self.a.dataset]
+        if self.a.cache_dir:
+            args += ["--cache_dir", self.a.cache_dir]
+        return args + ([] if self.gpu else TINY_CIFAR)
+
+
+def read_rows(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def last(rows: list[dict], key: str):
+    vals = [r[key] for r in rows if key in r]
+    return vals[-1] if vals else None
+
+
+def mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def check_cifar(s: Suite) -> dict:
+    out = os.path.join(s.out, "cifar")
+    seeds = s.a.seeds if s.a.seeds else (5 if s.gpu else 2)
+    cmd = [sys.executable, "bench/cifar.py", "--seeds", str(seeds), "--target", "0.94", "--out", out]
+    cmd += (["--warmup"] if s.gpu else []) + s.cifar_args()
+    s.sh("cifar_5_seeds", cmd)
+    with open(os.path.join(out, "summary.json")) as f:
+        runs = json.load(f)["runs"]
+    reached = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
+    m = {
+        "seeds": len(runs),
+        "accuracy_mean": mean(r["accuracy"] for r in runs),
+        "accuracy_min": min(r["accuracy"] for r in runs),
+        "tta_accuracy_mean": mean(r["tta_accuracy"] for r in runs),
+        "time_to_94_mean_s": mean(reached) if len(reached) == len(runs) else None,
+        "reached_94": f"{len(reached)}/{len(runs)}",
+        "images_per_s_mean": mean(r["images_per_s"] for r in runs),
+        "train_s_mean": mean(r["train_s"] for r in runs),
+        "peak_memory_mb": max(r["peak_memory_mb"] for r in runs),
+    }
+    logged = [last(read_rows(os.path.join(out, f"seed{r['seed']}")), "peak_memory_mb") for r in runs]
+    m["logged_peak_memory_mb"] = max((v for v in logged if v is not None), default=None)
+    acc = f"{m['accuracy_mean']:.4f}" + (f" (tta {m['tta_accuracy_mean']:.4f})" if m["tta_accuracy_mean"] else "")
+    t94 = f"{m['time_to_94_mean_s']:.2f} s" if m["time_to_94_mean_s"] is not None else "not reached"
+    summary = f"acc {acc}, to 94% {t94} ({m['reached_94']}), {m['images_per_s_mean']:.0f} img/s"
+    goal = None
+    if s.gpu:
+        goal = m["accuracy_mean"] >= 0.94 and m["time_to_94_mean_s"] is not None and m["time_to_94_mean_s"] < 2.5
+    return {"metrics": m, "summary": summary, "goal": "mean accuracy >= 0.94 and time to 94% < 2.5 s", "met": goal}
+
+
+def _precision_run(s: Suite, name: str, precision: str) -> dict:
+    out = os.path.join(s.out, name)
+    cmd = [sys.executable, "recipes/cifar.py", *s.cifar_args(), "--mixed_precision", precision, "--nan_policy", "skip"]
+    cmd += ["--seed", "0", "--logging_steps", "5", "--output_dir", out, "--overwrite_output_dir", "--disable_tqdm"]
+    s.sh(name, cmd)
+    rows = read_rows(out)
+    with open(os.path.join(out, "run_config.json")) as f:
+        used = json.load(f)["topology"]["mixed_precision"]
+    if used != precision:
+        raise CheckFailed(f"asked for --mixed_precision {precision}, the run used {used!r}")
+    scales = [r["loss_scale"] for r in rows if "loss_scale" in r]
+    m = {
+        "mixed_precision": used,
+        "accuracy": last(rows, "eval_accuracy"),
+        "tta_accuracy": last(rows, "eval_tta_accuracy"),
+        "skipped_steps": last(rows, "skipped_steps"),
+        "loss_scale_last": scales[-1] if scales else None,
+        "loss_scale_min": min(scales) if scales else None,
+        "final_loss": last(rows, "loss"),
+    }
+    if precision == "fp16" and not scales:
+        raise CheckFailed("fp16 ran without a loss scaler (no loss_scale in metrics.jsonl)")
+    scale = f", loss scale {m['loss_scale_last']:g} (min {m['loss_scale_min']:g})" if scales else ""
+    summary = f"acc {m['accuracy']:.4f}, skipped steps {m['skipped_steps']}{scale}"
+    return {"metrics": m, "summary": summary}
+
+
+def check_bf16(s: Suite) -> dict:
+    return _precision_run(s, "bf16", "bf16")
+
+
+def check_fp16(s: Suite) -> dict:
+    return _precision_run(s, "fp16", "fp16")
+
+
+def check_fp8(s: Suite) -> dict:
+    return _precision_run(s, "fp8", "fp8")
+
+
+def check_compile(s: Suite) -> dict:
+    if s.gpu:
+        out = os.path.join(s.out, "compile")
+        cmd = [sys.executable, "bench/cifar.py", "--seeds", "2", "--warmup", "--torch_compile", "--target", "0.94"]
+        s.sh("torch_compile", cmd + ["--out", out] + s.cifar_args())
+        with open(os.path.join(out, "summary.json")) as f:
+            runs = json.load(f)["runs"]
+        m = {
+            "accuracy_mean": mean(r["accuracy"] for r in runs),
+            "images_per_s_mean": mean(r["images_per_s"] for r in runs),
+            "train_s_mean": mean(r["train_s"] for r in runs),
+        }
+    else:
+        out = os.path.join(s.out, "compile")
+        cmd = [sys.executable, "recipes/cifar.py", *s.cifar_args(), "--torch_compile", "--output_dir", out]
+        s.sh("torch_compile", cmd + ["--overwrite_output_dir", "--disable_tqdm", "--logging_steps", "2"])
+        rows = read_rows(out)
+        rates = [r["samples_per_second"] for r in rows if "samples_per_second" in r][1:]  # the first holds compiling
+        m = {"accuracy_mean": last(rows, "eval_accuracy"), "images_per_s_mean": mean(rates) if rates else None}
+    eager = s.rows.get("cifar_5_seeds", {}).get("metrics", {}).get("images_per_s_mean")
+    if s.gpu and eager and m["images_per_s_mean"]:
+        m["speedup_vs_eager"] = m["images_per_s_mean"] / eager
+    speed = f"{m['images_per_s_mean']:.0f} img/s" if m["images_per_s_mean"] else "img/s n/a"
+    summary = f"acc {m['accuracy_mean']:.4f}, {speed}" + (
+        f", x{m['speedup_vs_eager']:.2f} of eager" if "speedup_vs_eager" in m else ""
+    )
+    return {"metrics": m, "summary": summary}
+
+
+OVERHEAD_MODEL = {"num_features": 256, "hidden_size": 512, "num_targets": 10}
+
+
+def plain_overhead_loop(steps: int, log_every: int, batch: int) -> list[tuple[int, float]]:
+    """The regression recipe's model, data, loss, AdamW, linear schedule and clipping, written by hand; returns
+    (step, seconds) stamps every `log_every` updates, taken after a host sync on the loss (as a log row does)."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    f, h, t, n = (
+        OVERHEAD_MODEL["num_features"],
+        OVERHEAD_MODEL["hidden_size"],
+        OVERHEAD_MODEL["num_targets"],
+        steps * batch,
+    )
+    w = torch.randn(f, t, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, f, generator=g)
+    y = torch.tanh(x @ w) + 0.1 * torch.randn(n, t, generator=g)
+    mask = torch.ones(n, t)
+
+    class Data(Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return {"x": x[i], "y": y[i], "mask": mask[i]}
+
+    torch.manual_seed(42)
+    model = nn.Sequential(nn.Linear(f, h), nn.Tanh(), nn.Dropout(0.0), nn.Linear(h, t)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / steps))
+    stamps, step = [], 0
+    for b in DataLoader(Data(), batch_size=batch, shuffle=True):
+        b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+        err = (model(b["x"]) - b["y"]) ** 2 * b["mask"]
+        loss = err.sum() / b["mask"].sum().clamp(min=1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step % log_every == 0:
+            loss.item()
+            stamps.append((step, time.perf_counter()))
+        if step == steps:
+            break
+    return stamps
+
+
+def ms_per_step(stamps) -> float:
+    """Median ms per update over the intervals between stamps, the first interval (warm-up) left out."""
+    per = [(t1 - t0) / (s1 - s0) * 1e3 for (s0, t0), (s1, t1) in zip(stamps, stamps[1:])]
+    return statistics.median(per[1:] if len(per) > 2 else per)
+
+
+def check_overhead(s: Suite) -> dict:
+    steps, every, batch = (600, 50, 64) if s.gpu else (200, 25, 64)
+    rounds = 3 if s.gpu else 1
+    plain, trainer = [], []
+    for r in range(rounds):  # interleaved, fresh processes each
+        text = s.sh(
+            f"overhead_plain_{r}",
+            [sys.executable, __file__, "--_plain_overhead", f"{steps},{every},{batch}"]
+            + (["--cpu"] if not s.gpu else []),
+        )
+        stamps = json.loads([line for line in text.splitlines() if line.startswith("STAMPS ")][-1][7:])
+        plain.append(ms_per_step(stamps))
+        out = os.path.join(s.out, f"overhead_trainer_{r}")
+        cmd = [sys.executable, "recipes/regression.py", "--output_dir", out, "--overwrite_output_dir"]
+        for k, v in OVERHEAD_MODEL.items():
+            cmd += [f"--{k}", str(v)]
+        cmd += ["--num_train_samples", str(steps * batch), "--num_eval_samples", "0", "--max_grad_norm", "1.0"]
+        cmd += ["--per_device_train_batch_size", str(batch), "--max_steps", str(steps), "--logging_steps", str(every)]
+        cmd += ["--save_steps", "0", "--disable_tqdm"] + (["--use_cpu"] if not s.gpu else [])
+        s.sh(f"overhead_trainer_{r}", cmd)
+        trainer.append(ms_per_step([(row["step"], row["elapsed_s"]) for row in read_rows(out) if "loss" in row]))
+    m = {
+        "plain_ms_per_step": statistics.median(plain),
+        "trainer_ms_per_step": statistics.median(trainer),
+        "rounds": rounds,
+        "steps": steps,
+    }
+    m["ratio"] = m["trainer_ms_per_step"] / m["plain_ms_per_step"]
+    summary = f"trainer {m['trainer_ms_per_step']:.3f} vs plain {m['plain_ms_per_step']:.3f} ms/step: x{m['ratio']:.3f}"
+    return {
+        "metrics": m,
+        "summary": summary,
+        "goal": "trainer / plain <= 1.02",
+        "met": m["ratio"] <= 1.02 if s.gpu else None,
+    }
+
+
+def check_peak_memory(s: Suite) -> dict:
+    cifar = s.rows.get("cifar_5_seeds", {})
+    if not cifar.get("status", "").startswith("ok"):
+        raise CheckFailed("needs the cifar_5_seeds row, which did not run")
+    m = {k: cifar["metrics"][k] for k in ("peak_memory_mb", "logged_peak_memory_mb")}
+    kind = "GPU max allocated" if s.gpu else "CPU peak RSS"
+    logged = f", Trainer logged {m['logged_peak_memory_mb']:.0f} MB" if m["logged_peak_memory_mb"] else ""
+    return {"metrics": m, "summary": f"{m['peak_memory_mb']:.0f} MB ({kind}){logged}"}
+
+
+CHECKS = {
+    "cifar_5_seeds": check_cifar,
+    "bf16": check_bf16,
+    "fp16": check_fp16,
+    "fp8": check_fp8,
+    "torch_compile": check_compile,
+    "overhead": check_overhead,
+    "peak_memory": check_peak_memory,
+}
+
+
+def skip_reason(s: Suite, name: str) -> str | None:
+    if name in s.a.skip:
+        return "skipped: --skip"
+    if not s.gpu and name == "fp16":
+        return f"{NEEDS_CUDA} (Accelerate runs fp16 on a CPU as plain fp32: no autocast, no loss scaler)"
+    if name == "fp8":
+        if not s.gpu:
+            return f"{NEEDS_CUDA} (compute capability >= 8.9)"
+        import torch
+
+        cc = torch.cuda.get_device_capability()
+        if cc < (8, 9):
+            return f"skipped: needs compute capability >= 8.9 (this GPU: {cc[0]}.{cc[1]})"
+        from accelerate.utils import is_msamp_available, is_torchao_available, is_transformer_engine_available
+
+        if not (is_transformer_engine_available() or is_torchao_available() or is_msamp_available()):
+            return "skipped: no fp8 backend installed (transformer-engine, torchao or MS-AMP)"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def tiny_dataset(out: str) -> str:
+    """The tests' tiny learnable CIFAR (tests/cifar_fixtures.py), written once under --out."""
+    root = os.path.join(out, "tiny_cifar")
+    if not os.path.isdir(os.path.join(root, "hub")):
+        import datasets
+
+        datasets.disable_progress_bars()
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from cifar_fixtures import make_tiny_cifar
+
+        make_tiny_cifar(root)
+    return os.path.join(root, "hub")
+
+
+def device_name(gpu: bool) -> str:
+    import torch
+
+    if gpu:
+        cc = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()} (compute capability {cc[0]}.{cc[1]}), CUDA {torch.version.cuda}"
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="reduced mode on the CPU (the default where there is no GPU)")
+    p.add_argument("--dataset", default=None, help="CIFAR-10 folder (GPU mode); CPU mode builds a tiny one")
+    p.add_argument("--cache_dir", default=None, help="decoded-array cache of recipes/cifar.py")
+    p.add_argument("--seeds", type=int, default=None, help="seeds of cifar_5_seeds (default 5; CPU mode 2)")
+    p.add_argument("--skip", nargs="*", default=[], choices=ROWS, help="rows to leave out (reported as skipped)")
+    p.add_argument("--out", default="runs/gpu_suite", help="runs, logs and (default) the JSON go here")
+    p.add_argument("--json", default=None, help="the table as JSON (default: OUT/suite.json)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds any one command may take")
+    p.add_argument("--_plain_overhead", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+
+    if a._plain_overhead:  # a fresh process for the hand-written loop of the overhead row
+        steps, every, batch = map(int, a._plain_overhead.split(","))
+        print("STAMPS " + json.dumps(plain_overhead_loop(steps, every, batch)), flush=True)
+        return 0
+
+    import torch
+
+    if not a.cpu and not torch.cuda.is_available():
+        print("no CUDA device: running the CPU reduced mode (--cpu)", flush=True)
+        a.cpu = True
+    if a.cpu:
+        a.cache_dir = a.cache_dir or os.path.join(os.path.abspath(a.out), "cache")
+        a.dataset = a.dataset or tiny_dataset(os.path.abspath(a.out))
+    else:
+        a.dataset = a.dataset or next(
+            (d for d in (os.path.join(ROOT, "shared/data/cifar10"), os.path.join(ROOT, "../shared/data/cifar10"))
+             if os.path.isdir(d)),
+            None,
+        )  # fmt: skip
+        if a.dataset is None:
+            print("error: no CIFAR-10 folder found; pass --dataset DIR (e.g. ../shared/data/cifar10).", file=sys.stderr)
+            return 2
+    if not os.path.isdir(a.dataset):
+        print(f"error: --dataset {a.dataset} is not a folder; pass a local CIFAR-10 folder.", file=sys.stderr)
+        return 2
+    s = Suite(a)
+    t_suite = time.perf_counter()
+    mode = "gpu" if s.gpu else "cpu-reduced"
+    print(f"bench/gpu.py, {mode} mode, on {device_name(s.gpu)}; torch {torch.__version__}", flush=True)
+    for name in ROWS:
+        t0 = time.perf_counter()
+        reason = skip_reason(s, name)
+        if reason:
+            row = {"status": reason}
+        else:
+            try:
+                row = {"status": "ok", **CHECKS[name](s)}
+            except CheckFailed as e:
+                row = {"status": f"failed: {e}"}
+            except Exception as e:  # a bug in a check must not hide the other rows
+                row = {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        s.rows[name] = row
+        print(f"  {name:14s} {row['status'] if row['status'] != 'ok' else row.get('summary', 'ok')}", flush=True)
+
+    total = time.perf_counter() - t_suite
+    print(f"\n{'check':14s} {'status':8s} {'seconds':>7s}  result")
+    for name, row in s.rows.items():
+        status = row["status"].split(":")[0]
+        detail = row.get("summary") or row["status"].split(": ", 1)[-1]
+        if row.get("met") is not None:
+            detail += f"  [goal {row['goal']}: {'met' if row['met'] else 'NOT met'}]"
+        print(f"{name:14s} {status:8s} {row['seconds']:7.1f}  {detail}")
+    print(f"total {total:.0f} s")
+    report = {
+        "mode": mode,
+        "device": device_name(s.gpu),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "argv": sys.argv[1:],
+        "total_s": round(total, 1),
+        "rows": [{"name": n, **r} for n, r in s.rows.items()],
+    }
+    path = a.json or os.path.join(s.out, "suite.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+    return 1 if any(r["status"].startswith("failed") for r in s.rows.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
