@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 from contextlib import contextmanager
+from datetime import timedelta
 
 from .errors import UserError
 
@@ -170,14 +171,16 @@ class Preemption:
 
 
 # ----------------------------------------------------------------------------------------------- dead or hung peer
-def make_diagnostic_group(accelerator):
-    """A separate gloo group used only after a collective failed, to find which rank stopped answering."""
+def make_diagnostic_group(accelerator, timeout_s: int):
+    """A separate gloo group used only after a collective failed, to find which rank stopped answering. Its own
+    timeout is --ddp_timeout too: torch's default (30 min) would let a rank whose peer's link is cut wait that long
+    inside the diagnosis itself (seen with gdb in the link-cut test)."""
     if accelerator.num_processes == 1:
         return None
     import torch.distributed as dist
 
     try:
-        return dist.new_group(backend="gloo")
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     except Exception:  # noqa: BLE001 - diagnostics are best effort
         return None
 

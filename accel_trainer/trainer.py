@@ -209,7 +209,7 @@ class Trainer:
         self._saved_step = None
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
-        self._diag_group = faults.make_diagnostic_group(acc)
+        self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         if args.profile_steps:
             from .profiling import UpdateProfiler
