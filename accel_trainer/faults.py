@@ -214,7 +214,6 @@ def peer_failures(trainer):
 
 def describe_peer_failure(accelerator, group, error: BaseException, step: int, timeout_s: int) -> PeerFailure:
     """After a collective failed: a monitored barrier on the side group names the ranks that do not answer."""
-
     import torch.distributed as dist
 
     rank = accelerator.process_index
