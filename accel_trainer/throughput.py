@@ -109,12 +109,16 @@ class Meter:
         )  # fmt: skip
         ranks = acc.gather(local[None]) if acc.num_processes > 1 else local[None]
         ranks = ranks.cpu()
+        # The ranks' windows differ a little (each times its own); the job goes at its slowest rank's pace, so
+        # rates are over the slowest rank's time: samples_per_second x step_time_s = the global batch.
+        slowest = float(ranks[:, 3].max())  # seconds per update
+        updates = max(self.updates, 1)
         fields = {
-            "samples_per_second": float(ranks[:, 0].sum()) / elapsed,
+            "samples_per_second": float(ranks[:, 0].sum()) / (slowest * updates),
             # the Trainer all-reduces each update's item count whenever there are several processes: every rank
             # holds the global count
-            "items_per_second": float(ranks[0, 1]) / elapsed,
-            "step_time_s": float(ranks[:, 3].max()),
+            "items_per_second": float(ranks[0, 1]) / (slowest * updates),
+            "step_time_s": slowest,
             "data_wait_fraction": float(ranks[:, 2].max()),
             "peak_memory_mb": float(ranks[:, 4].max()),
         }
