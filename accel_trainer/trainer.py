@@ -402,14 +402,10 @@ class Trainer:
                 self.events.fire("update_end", self)
                 bar.update(1)
                 step, last = p.global_step, p.global_step >= self.total_steps
-                epoch_end = p.batch_in_epoch == 0
                 if step % args.logging_steps == 0 or last:
                     self.log(bar)
-                if (
-                    not last
-                    and self.eval_loader is not None
-                    and (step % args.eval_steps == 0 if args.eval_steps else epoch_end)
-                ):
+                eval_due = step % args.eval_steps == 0 if args.eval_steps else p.batch_in_epoch == 0  # epoch end
+                if not last and self.eval_loader is not None and eval_due:
                     with self.meter.paused():  # not update time in the log rows
                         metrics = self.evaluate()
                 if not last and args.save_steps and step % args.save_steps == 0:
