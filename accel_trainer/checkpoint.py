@@ -218,9 +218,14 @@ def check_compatible(path: str, model):
     file = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(file):
         return  # e.g. a sharded (FSDP) state: accelerate checks it while loading
-    expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
     with safe_open(file, framework="pt") as f:
         found = {_plain_key(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    _check_shapes(path, file, found, model)
+
+
+def _check_shapes(path: str, where: str, found: dict, model):
+    """The tensor names and shapes `found` in a checkpoint are this model's (DTensors: their global shapes)."""
+    expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
     problems = [
         f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
         for k in expected
@@ -233,7 +238,7 @@ def check_compatible(path: str, model):
         problems.append(f"unexpected tensors {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
     if problems:
         raise CheckpointError(
-            f"Checkpoint {path}: {file} does not fit this model ({'; '.join(problems[:5])}). "
+            f"Checkpoint {path}: {where} does not fit this model ({'; '.join(problems[:5])}). "
             "Resume with the model arguments the checkpoint was written with."
         )
 
@@ -508,19 +513,4 @@ def check_compatible_sharded(path: str, model):
     with open(file, "rb") as f:
         meta = _dcp_unpickler(f).load()
     found = {k.split(".", 1)[1]: tuple(v.size) for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
-    expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}  # DTensor: global shape
-    problems = [
-        f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
-        for k in expected
-        if k in found and found[k] != expected[k]
-    ]
-    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    if missing:
-        problems.append(f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    if extra:
-        problems.append(f"unexpected tensors {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
-    if problems:
-        raise CheckpointError(
-            f"Checkpoint {path}: {os.path.dirname(file)} does not fit this model ({'; '.join(problems[:5])}). "
-            "Resume with the model arguments the checkpoint was written with."
-        )
+    _check_shapes(path, os.path.dirname(file), found, model)
