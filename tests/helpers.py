@@ -103,3 +103,18 @@ def assert_same_weights(a: dict, b: dict, rtol=1e-5, atol=1e-6):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+def last_step(output_dir) -> int:
+    """The newest step in a run's metrics.jsonl (0 before the first row); a line being written is skipped."""
+    try:
+        lines = open(os.path.join(output_dir, "metrics.jsonl")).read().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return max(steps, default=0)

@@ -18,7 +18,7 @@ import time
 
 import psutil
 import pytest
-from helpers import env, launch_cmd
+from helpers import env, last_step, launch_cmd
 
 from accel_trainer.faults import EXIT_PREEMPTED
 from accel_trainer.topology import RESTART_SAFE_ENV
@@ -112,20 +112,6 @@ def start(runs, *a, **kw) -> Run:
     runs.append(r)
     r.tree()
     return r
-
-
-def last_step(out) -> int:
-    try:
-        lines = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
-    except FileNotFoundError:
-        return 0
-    steps = []
-    for line in lines:
-        try:
-            steps.append(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            pass  # a line being written
-    return max(steps, default=0)
 
 
 def tmp_saves(out) -> list[str]:

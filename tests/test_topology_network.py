@@ -14,7 +14,6 @@ Skipped (with the reason) without root or iproute2. Every wait is bounded; the n
 them are removed whatever happens.
 """
 
-import json
 import os
 import shlex
 import subprocess
@@ -23,7 +22,7 @@ import time
 
 import netns
 import pytest
-from helpers import ROOT, assert_same_weights, env, run, run_config, weights
+from helpers import ROOT, assert_same_weights, env, last_step, run, run_config, weights
 
 pytestmark = [
     pytest.mark.cluster,
@@ -94,20 +93,6 @@ def wait_all(procs, timeout) -> list[int | None]:
 
 def read_logs(tmp_path) -> list[str]:
     return [(tmp_path / f"machine{r}.log").read_text() for r in (0, 1)]
-
-
-def last_step(out) -> int:
-    try:
-        lines = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
-    except FileNotFoundError:
-        return 0
-    steps = []
-    for line in lines:
-        try:
-            steps.append(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            pass
-    return max(steps, default=0)
 
 
 def wait_for(cond, timeout, what, procs=()):

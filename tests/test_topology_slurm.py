@@ -8,14 +8,13 @@ Skipped (with the reason) without root or without slurm-wlm/munge (`.ci/run` ins
 bounded; the daemons and the jobs' processes are stopped at the end whatever happens.
 """
 
-import json
 import os
 import sys
 import time
 
 import pytest
 import slurm_cluster
-from helpers import ROOT, env, free_port, run_config
+from helpers import ROOT, env, free_port, last_step, run_config
 
 from accel_trainer import wizard
 from accel_trainer.faults import EXIT_PREEMPTED
@@ -66,20 +65,6 @@ def submit(cluster, tmp_path, out, faults=None) -> tuple[str, str]:
 
 def model_bytes(out) -> bytes:
     return open(os.path.join(out, "model.safetensors"), "rb").read()
-
-
-def last_step(out) -> int:
-    try:
-        lines = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
-    except FileNotFoundError:
-        return 0
-    steps = []
-    for line in lines:
-        try:
-            steps.append(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            pass
-    return max(steps, default=0)
 
 
 @pytest.fixture(scope="module")
