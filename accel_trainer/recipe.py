@@ -16,21 +16,15 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import ModuleType
 from typing import Any
 
 from .errors import UserError
+from .events import EVENTS
 
-# The named events a recipe (or a notebook, a bench, a test) can attach to; see accel_trainer/events.py.
-EVENT_HOOKS = (
-    "on_fit_start",
-    "on_update_end",
-    "on_checkpoint_staged",
-    "on_checkpoint_written",
-    "on_evaluate_end",
-    "on_fit_end",
-)
+# A recipe attaches to a named event (events.EVENTS, declared there once) by defining `on_<event>`.
+EVENT_HOOKS = tuple(f"on_{event}" for event in EVENTS)
 
 
 @dataclass(frozen=True)
@@ -82,17 +76,15 @@ class Recipe:
     # FSDP: the module classes (or class names) that become their own FSDP unit, for a model without transformers'
     # _no_split_modules; without either, modules over 1M parameters are (sharding.configure_wrapping).
     fsdp_wrap: list | None = None
-    # Events (accel_trainer/events.py): (trainer, ...) -> None; on_evaluate_end may return extra metrics.
-    on_fit_start: Callable | None = None
-    on_update_end: Callable | None = None
-    on_checkpoint_staged: Callable | None = None
-    on_checkpoint_written: Callable | None = None
-    on_evaluate_end: Callable | None = None
-    on_fit_end: Callable | None = None
+    # Events: {"update_end": handler, ...}, collected from the recipe's on_<event> functions (events.EVENTS).
+    events: dict = field(default_factory=dict)
     name: str = "recipe"
 
     def __post_init__(self):  # Recipe(...) in a notebook is checked like a recipe module
         check_signatures(f"Recipe {self.name!r}", {f.name: getattr(self, f.name) for f in fields(self)})
+        unknown = set(self.events) - set(EVENTS)
+        if unknown:
+            raise RecipeError(f"Recipe {self.name!r}: unknown events {sorted(unknown)}; the events are {EVENTS}.")
 
     @classmethod
     def from_module(cls, module: Any) -> Recipe:
@@ -105,7 +97,8 @@ class Recipe:
             )
         if callable(getattr(module, "on_evaluate", None)):  # the 0.1 name of on_evaluate_end: say so, don't ignore
             raise RecipeError(f"{who}: rename on_evaluate to on_evaluate_end (CHANGELOG.md, 0.2.0).")
-        kw = {f.name: getattr(module, f.name) for f in fields(cls) if hasattr(module, f.name)}
+        kw = {f.name: getattr(module, f.name) for f in fields(cls) if f.name != "events" and hasattr(module, f.name)}
+        kw["events"] = {e: getattr(module, f"on_{e}") for e in EVENTS if callable(getattr(module, f"on_{e}", None))}
         if "name" not in kw:
             kw["name"] = getattr(module, "__name__", "recipe").rsplit(".", 1)[-1]
             if kw["name"] == "__main__":

@@ -42,7 +42,7 @@ from .accel import build_accelerator
 from .args import TrainingArguments, resolve_args, user_values
 from .errors import UserError
 from .events import Events
-from .recipe import EVENT_HOOKS, Recipe, RecipeContext, load_recipe
+from .recipe import Recipe, RecipeContext, load_recipe
 from .reporting import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops
 
@@ -145,9 +145,8 @@ class Trainer:
             os.makedirs(args.output_dir, exist_ok=True)
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         self.events = Events()
-        for hook in EVENT_HOOKS:
-            if getattr(self.recipe, hook) is not None:
-                self.events.on(hook.removeprefix("on_"), getattr(self.recipe, hook))
+        for event, handler in self.recipe.events.items():
+            self.events.on(event, handler)
         self.ctx = RecipeContext(
             args=recipe_args,
             targs=args,
@@ -233,8 +232,7 @@ class Trainer:
         return cls(recipe, args, recipe_args, quiet=quiet)
 
     def on(self, event: str, handler):
-        """Attach a handler to a named event (events.py): update_end, checkpoint_staged, checkpoint_written,
-        evaluate_end, fit_end."""
+        """Attach a handler to a named event: one of events.EVENTS (the table in events.py says when each fires)."""
         return self.events.on(event, handler)
 
     @property

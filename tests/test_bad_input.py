@@ -149,3 +149,20 @@ def test_recipe_object_with_old_signature_is_refused_when_built():
         Recipe(build_model=lambda ctx: None, build_data=lambda a, t, acc: {}, loss=lambda m, b: (0, 1))
     # the current contract, defaults and *args are accepted
     Recipe(build_model=lambda ctx, extra=1: None, build_data=lambda *a: {}, loss=lambda m, b: (0, 1))
+
+
+def test_recipe_events_come_from_the_one_declaration():
+    import types
+
+    from accel_trainer import Recipe, UserError
+    from accel_trainer.events import EVENTS
+
+    module = types.ModuleType("evented")
+    module.build_model, module.build_data, module.loss = (lambda ctx: None), (lambda ctx: {}), (lambda m, b: (0, 1))
+    for event in EVENTS:
+        setattr(module, f"on_{event}", lambda *a, _e=event: _e)
+    assert set(Recipe.from_module(module).events) == set(EVENTS)  # every declared event, fit_start included
+    with pytest.raises(UserError, match="unknown events"):
+        Recipe(
+            build_model=module.build_model, build_data=module.build_data, loss=module.loss, events={"fit_begin": print}
+        )
