@@ -43,7 +43,7 @@ from .args import TrainingArguments, resolve_args, user_values
 from .errors import UserError
 from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
-from .reporting import Reporter, library_versions, topology
+from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip

@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import ROOT, env, free_port
 
-from accel_trainer import preflight, wizard
+from accel_trainer import check as preflight
+from accel_trainer import wizard
 
 CHECK = [sys.executable, "-m", "accel_trainer.cli", "check"]
 CONFIGS = os.path.join(ROOT, "accelerate_configs")

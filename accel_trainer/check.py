@@ -233,7 +233,7 @@ def launch_argv(a, config) -> list[str]:
         argv += ["--main_process_port", str(a.main_process_port)]
     if int(config.num_machines or 1) > 1:
         argv += ["--machine_rank", str(a.machine_rank)] + topology.rdzv_flags(config.rdzv_backend, a.timeout)
-    return argv + ["-m", "accel_trainer.preflight", "--worker", "--timeout", str(a.timeout)]
+    return argv + ["-m", "accel_trainer.check", "--worker", "--timeout", str(a.timeout)]
 
 
 def run_collective(a, config, r) -> bool:
