@@ -19,6 +19,7 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from tqdm.auto import tqdm
 from . import checkpoint as ckpt
 from . import faults, sharding
 from .accel import build_accelerator
-from .args import TrainingArguments, resolve_args, user_values
+from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
 from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
@@ -127,18 +128,27 @@ def default_scheduler(optimizer, num_training_steps: int, args: TrainingArgument
 
 
 class Trainer:
-    def __init__(self, recipe, args: TrainingArguments | None = None, recipe_args=None, quiet: bool = False):
+    def __init__(
+        self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
+    ):
         self.recipe: Recipe = load_recipe(recipe)
-        if args is None or not getattr(args, "_resolved", False):
-            # A notebook's TrainingArguments(...) is resolved like the same flags on the command line.
-            args, recipe_args, _ = resolve_args(self.recipe, values=user_values(args, recipe_args))
-        self.args, self.recipe_args = args, recipe_args
+        # resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe Args) is resolved
+        # like the same flags on the command line.
+        resolved = (
+            args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
+        )
+        # A copy: the caller's arguments are not changed (the output folder default, the scaled learning rate), so
+        # they can build another Trainer.
+        args = dataclasses.replace(resolved.targs)
+        self.args, self.recipe_args, self.given = args, resolved.rargs, resolved.given
         if args.output_dir is None:
             args.output_dir = os.path.join("output", self.recipe.name)
 
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
-        self._scale_learning_rate()
+        # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
+        self.base_learning_rate = args.learning_rate
+        args.learning_rate = args.scaled_learning_rate(acc.num_processes)
         resume_path = self._check_output_dir()  # on every rank, before any rank writes
         acc.wait_for_everyone()
         if acc.is_main_process:
@@ -148,12 +158,12 @@ class Trainer:
         for event, handler in self.recipe.events.items():
             self.events.on(event, handler)
         self.ctx = RecipeContext(
-            args=recipe_args,
+            args=self.recipe_args,
             targs=args,
             world_size=acc.num_processes,
             process_index=acc.process_index,
             accelerator=acc,
-            given=getattr(args, "_user_fields", frozenset()),
+            given=self.given,
         )
 
         # Model and data: the recipe's. Loaders first: the number of batches per epoch on this rank (after
@@ -228,8 +238,7 @@ class Trainer:
         output_dir="out", max_steps=200, hidden_size=64)` is `python recipes/regression.py --output_dir out
         --max_steps 200 --hidden_size 64`, the same resolved arguments (recipe defaults, presets, then yours)."""
         recipe = load_recipe(recipe)
-        args, recipe_args, _ = resolve_args(recipe, values=values)
-        return cls(recipe, args, recipe_args, quiet=quiet)
+        return cls(recipe, resolve_args(recipe, values=values), quiet=quiet)
 
     def on(self, event: str, handler):
         """Attach a handler to a named event: one of events.EVENTS (the table in events.py says when each fires)."""
@@ -244,15 +253,6 @@ class Trainer:
         return self.progress.epoch
 
     # ---------------------------------------------------------------------------------------------------- set-up
-    def _scale_learning_rate(self):
-        """--lr_scaling: the learning rate every builder sees is scaled by this world's global batch. Idempotent:
-        the base value is kept on the arguments, so arguments reused for another Trainer scale from the base."""
-        args = self.args
-        base = getattr(args, "_base_learning_rate", args.learning_rate)
-        object.__setattr__(args, "_base_learning_rate", base)
-        args.learning_rate = base
-        args.learning_rate = args.scaled_learning_rate(self.accelerator.num_processes)
-
     def _check_world(self):
         # The world this process joined must be the one the launcher/config describe (topology.py): it catches
         # every process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
@@ -372,7 +372,7 @@ class Trainer:
                 "updates_per_epoch": self.updates_per_epoch,
                 "learning_rate": {
                     "used": self.args.learning_rate,
-                    "base": self.args._base_learning_rate,
+                    "base": self.base_learning_rate,
                     "scaling": self.args.lr_scaling,
                     "base_batch_size": self.args.lr_base_batch_size,
                 },

@@ -53,12 +53,12 @@ def peak_memory_mb():
 def one_run(recipe, recipe_argv, seed, target, out_root):
     out = os.path.join(out_root, f"seed{seed}")
     argv = recipe_argv + ["--seed", str(seed), "--output_dir", out, "--overwrite_output_dir", "--disable_tqdm"]
-    targs, rargs, _ = resolve_args(recipe, argv)  # the same resolution as `python recipes/cifar.py ...`
+    resolved = resolve_args(recipe, argv)  # the same resolution as `python recipes/cifar.py ...`
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sync()
     t_wall = time.perf_counter()
-    trainer = Trainer(recipe, targs, rargs, quiet=True)
+    trainer = Trainer(recipe, resolved, quiet=True)
 
     # The per-epoch evals are taken out of the training time (and give the accuracy curve), timed through the
     # Trainer's events: an eval runs between an epoch's last update_end and its evaluate_end.
