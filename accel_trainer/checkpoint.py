@@ -225,13 +225,17 @@ def check_compatible(path: str, model):
 
 def _check_shapes(path: str, where: str, found: dict, model):
     """The tensor names and shapes `found` in a checkpoint are this model's (DTensors: their global shapes)."""
-    expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    expected = {_plain_key(k): tuple(v.shape) for k, v in state.items()}
     problems = [
         f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
         for k in expected
         if k in found and found[k] != expected[k]
     ]
-    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    missing, extra = (
+        sorted(set(expected) - set(found) - _tied_aliases(state, found)),
+        sorted(set(found) - set(expected)),
+    )
     if missing:
         problems.append(f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if extra:
@@ -241,6 +245,28 @@ def _check_shapes(path: str, where: str, found: dict, model):
             f"Checkpoint {path}: {where} does not fit this model ({'; '.join(problems[:5])}). "
             "Resume with the model arguments the checkpoint was written with."
         )
+
+
+def _tied_aliases(state: dict, found: dict) -> set[str]:
+    """Names the checkpoint may lack because they are tied: the model's tensor under that name shares its storage
+    with a tensor the checkpoint holds (GPT-2's lm_head.weight is its input embedding; Accelerate's save keeps
+    one name of a shared tensor, clean_state_dict_for_safetensors). A name that is not tied in this model stays
+    required, so a checkpoint of an untied model still fits only an untied one."""
+    from accelerate.utils import id_tensor_storage
+
+    groups: dict = {}
+    for k, v in state.items():
+        local = v.to_local() if hasattr(v, "to_local") else v  # a DTensor's storage is its local shard's
+        if local.numel() == 0:  # empty tensors have no storage to share
+            continue
+        groups.setdefault((id_tensor_storage(local), local.storage_offset(), tuple(local.shape)), []).append(
+            _plain_key(k)
+        )
+    aliases = set()
+    for names in groups.values():
+        if len(names) > 1 and any(n in found for n in names):
+            aliases.update(n for n in names if n not in found)
+    return aliases
 
 
 # ------------------------------------------------------------------------------------------------------ resolving

@@ -232,3 +232,24 @@ def test_best_model_is_kept_apart_from_the_checkpoint_limit(tmp_path):
     assert open(again / "model.safetensors", "rb").read() == open(out / "best" / "model.safetensors", "rb").read()
     with pytest.raises(Exception, match="metric_for_best_model accuracy: the evaluation gives no such metric"):
         make(tmp_path / "bad", max_steps=4, eval_steps=2, metric_for_best_model="accuracy").fit()
+
+
+def test_tied_tensor_may_be_missing_only_when_tied(tmp_path):
+    # A safetensors file keeps one name of a shared tensor: fine for a model whose two names are one tensor,
+    # refused for a model where they are two (the check must not wave through a really missing tensor).
+    from safetensors.torch import save_model
+
+    from accel_trainer.checkpoint import check_compatible
+
+    class LM(torch.nn.Module):
+        def __init__(self, tied):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+            if tied:
+                self.head.weight = self.embed.weight
+
+    save_model(LM(tied=True), str(tmp_path / "model.safetensors"))
+    assert len(load_file(tmp_path / "model.safetensors")) == 1  # the shared tensor is stored once
+    check_compatible(str(tmp_path), LM(tied=True))
+    with pytest.raises(CheckpointError, match="missing tensors head.weight"):
+        check_compatible(str(tmp_path), LM(tied=False))
