@@ -187,10 +187,9 @@ class Trainer:
             acc, model, optimizer, scheduler, wrap=r.fsdp_wrap
         )
         self.sharded = acc.distributed_type == DistributedType.FSDP
+        # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
         self.ema = (
-            AveragedModel(
-                acc.unwrap_model(self.model), multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True
-            )
+            AveragedModel(self.unwrapped_model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True)
             if args.ema_decay > 0
             else None
         )
@@ -506,7 +505,7 @@ class Trainer:
             if schedule:
                 self.scheduler.step()
             if self.ema is not None:
-                self.ema.update_parameters(acc.unwrap_model(self.model))
+                self.ema.update_parameters(self.unwrapped_model)
         else:
             p.skipped_steps += 1
         self._inner_opt.zero_grad(set_to_none=True)

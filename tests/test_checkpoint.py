@@ -253,3 +253,17 @@ def test_tied_tensor_may_be_missing_only_when_tied(tmp_path):
     check_compatible(str(tmp_path), LM(tied=True))
     with pytest.raises(CheckpointError, match="missing tensors head.weight"):
         check_compatible(str(tmp_path), LM(tied=False))
+
+
+def test_compiled_model_with_ema_saves_plain_names(tmp_path):
+    # --torch_compile wraps the model (`_orig_mod.`); the EMA copy, model.safetensors and best/model.safetensors
+    # must hold the plain model's names, loadable with safetensors.torch.load_model into a freshly built model.
+    from safetensors.torch import load_model
+
+    out = tmp_path / "run"
+    kw = dict(torch_compile=True, ema_decay=0.9, eval_steps=2, metric_for_best_model="eval_loss")
+    make(out, max_steps=4, save_steps=0, **kw).fit()
+    for path in (out / "model.safetensors", out / "best" / "model.safetensors"):
+        fresh = regression.build_model(types.SimpleNamespace(args=regression.Args()))
+        load_model(fresh, str(path))  # strict: no missing or unexpected names
+        assert torch.equal(fresh.state_dict()["0.weight"], load_file(path)["0.weight"])
