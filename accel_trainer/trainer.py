@@ -494,12 +494,20 @@ class Trainer:
         loss_mean = (loss_sum / n_sum).detach()
         self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
         self._grad_norm = None
-
-        if args.nan_policy == "skip" and not torch.isfinite(loss_mean):
-            stepped = False  # the update is recorded (logged as skipped) but changes nothing
+        if args.max_grad_norm > 0:
+            self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
+        # A finite loss can still give non-finite gradients (and NaN weights after the step): the grad norm is
+        # checked with the loss, by the same --nan_policy. Not under fp16: an overflow is the scaler's to skip.
+        grad_norm = None
+        if acc.scaler is None:
+            grad_norm = self._grad_norm if self._grad_norm is not None else self._total_grad_norm()
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor; the global value, the same on every rank
+                grad_norm = grad_norm.full_tensor()
+        if args.nan_policy == "skip" and not (
+            torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
+        ):
+            stepped, self._grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
         else:
-            if args.max_grad_norm > 0:
-                self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
             stepped = self._optimizer_step()
         if stepped:
             if schedule:
@@ -510,8 +518,16 @@ class Trainer:
             p.skipped_steps += 1
         self._inner_opt.zero_grad(set_to_none=True)
         p.global_step += 1
-        self._log_window.append((loss_mean, p.global_step))
+        self._log_window.append((loss_mean, grad_norm if stepped else None, p.global_step))
         return loss_mean
+
+    def _total_grad_norm(self):
+        """The global gradient norm without clipping (a tensor, no host sync): torch's foreach kernels, one pass
+        over the gradients (under FSDP a DTensor of the shards' norms)."""
+        grads = [q.grad for q in self._params if q.grad is not None]
+        if not grads:
+            return None
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
 
     def _backward(self, loss):
         if not self._plain_torch:
@@ -539,14 +555,10 @@ class Trainer:
         """One metrics.jsonl row for the updates since the last log (the only host sync of the loop)."""
         if not self._log_window:
             return None
-        losses = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v, _ in self._log_window]).float().cpu()
+        losses = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v, _, _ in self._log_window]).float().cpu()
         finite = torch.isfinite(losses)
-        if not finite.all() and self.args.nan_policy == "stop":
-            bad_step = self._log_window[int((~finite).nonzero()[0])][1]
-            raise NonFiniteLossError(
-                f"Loss is {losses[~finite][0].item()} at step {bad_step}; the run stops (no checkpoint is written "
-                "over the last good one). Lower the learning rate, check the data, or pass --nan_policy skip."
-            )
+        if self.args.nan_policy == "stop":
+            self._stop_if_not_finite(losses, finite)
         metrics = {
             "loss": losses[finite].mean().item() if finite.any() else float("nan"),
             "learning_rate": self.scheduler.get_last_lr()[0],
@@ -562,6 +574,28 @@ class Trainer:
         if progress_bar is not None and not progress_bar.disable:
             progress_bar.set_postfix(loss=f"{metrics['loss']:.4g}", samples_s=f"{metrics['samples_per_second']:.4g}")
         return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress_bar)
+
+    def _stop_if_not_finite(self, losses, finite):
+        """--nan_policy stop: the first update of the log window whose loss, or whose gradient norm (a finite loss
+        can have NaN/inf gradients, which the step turns into NaN weights), is not finite stops the run."""
+        norms = [(i, g) for i, (_, g, _) in enumerate(self._log_window) if g is not None]
+        norm_ok = torch.ones_like(finite)
+        if norms:
+            values = torch.stack([torch.as_tensor(g, dtype=torch.float32).reshape(()) for _, g in norms]).cpu()
+            norm_ok[[i for i, _ in norms]] = torch.isfinite(values)
+        if finite.all() and norm_ok.all():
+            return
+        first = int((~(finite & norm_ok)).nonzero()[0])
+        step = self._log_window[first][2]
+        what = (
+            f"Loss is {losses[first].item()}"
+            if not finite[first]
+            else f"The gradient norm is {float(self._log_window[first][1])} (loss {losses[first].item():.4g})"
+        )
+        raise NonFiniteLossError(
+            f"{what} at step {step}; the run stops (no checkpoint is written over the last good one). Lower the "
+            "learning rate, check the data, or pass --nan_policy skip."
+        )
 
     def _epoch_float(self) -> float:
         return self.progress.epoch + self.progress.batch_in_epoch / self.micro_batches_per_epoch

@@ -214,6 +214,46 @@ def test_nan_skip_skips_and_counts(tmp_path):
     assert all(torch.isfinite(v).all() for v in load_file(out / "model.safetensors").values())
 
 
+def _nan_grad_recipe(at_update: int):
+    """regression, with a finite loss whose gradient is NaN at the `at_update`-th update (1-based): sqrt'(0) = inf
+    times d(0 * w)/dw = 0."""
+    rec = _nan_recipe(0)
+    calls = {"n": 0}
+
+    def loss(model, batch):
+        value, n = regression.loss(model, batch)
+        calls["n"] += 1
+        if calls["n"] == at_update:
+            value = value + (model[0].weight * 0).sum().sqrt()
+        return value, n
+
+    rec.loss = loss
+    return rec
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_nan_gradient_with_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, max_grad_norm):
+    out = tmp_path / "run"
+    # The checkpoint is due at the very update whose gradient is NaN (its loss, computed before, is finite).
+    kw = dict(max_steps=12, save_steps=3, logging_steps=5, save_total_limit=1, max_grad_norm=max_grad_norm)
+    t = make(out, _nan_grad_recipe(6), **kw)
+    with pytest.raises(NonFiniteLossError, match=r"The gradient norm is nan \(loss [0-9.]+\) at step 6; the run stops"):
+        t.fit()
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_3"]  # the last good one, not replaced
+    good = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in good.values())
+
+
+def test_nan_gradient_with_finite_loss_is_skipped_under_skip(tmp_path):
+    out = tmp_path / "run"
+    kw = dict(max_steps=12, save_steps=4, logging_steps=4, nan_policy="skip", max_grad_norm=0.0)
+    t = make(out, _nan_grad_recipe(6), **kw)
+    t.fit()
+    assert t.progress.skipped_steps == 1 and t.global_step == 12
+    for f in (out / "model.safetensors", out / "checkpoints" / "step_8" / "model.safetensors"):
+        assert all(torch.isfinite(v).all() for v in load_file(f).values())
+
+
 def test_best_model_is_kept_apart_from_the_checkpoint_limit(tmp_path):
     # A small noisy train set and a large constant learning rate: the eval loss is best at step 20, not at the end.
     kw = dict(save_steps=4, eval_steps=4, save_total_limit=1, lr_scheduler_type="constant", learning_rate=0.2)
