@@ -33,6 +33,7 @@ MANIFEST_FORMAT = 1
 MODEL_FILE = "model.safetensors"  # accelerate's SAFE_MODEL_NAME + ".safetensors"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$")
+_OLD_DIR = re.compile(r"^\.old_step_(\d+)$")  # a complete checkpoint set aside while the same step is re-saved
 _PICKLED = (".bin", ".pkl", ".pt", ".pth")  # what accelerate.load_state reads with torch.load
 
 
@@ -113,6 +114,7 @@ def save_checkpoint(
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp_step_{step}")
     if accelerator.is_main_process:
+        restore_set_aside(output_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
@@ -127,15 +129,57 @@ def save_checkpoint(
     accelerator.wait_for_everyone()  # every rank's files are in tmp
     if accelerator.is_main_process:
         write_manifest(tmp, state)
-        if os.path.isdir(final):  # a checkpoint of the same step from an earlier attempt: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        _commit(root, tmp, final, step)
         if save_total_limit:
             for old in list_checkpoints(output_dir)[:-save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _commit(root: str, tmp: str, final: str, step: int):
+    """Rename the written folder into place. A checkpoint of the same step already there (a resumed finished run
+    writes its last step again) is first renamed aside to `.old_step_<N>` and deleted only after the new one is
+    in place: a kill in between leaves `.old_step_<N>`, which restore_set_aside puts back. Never a moment without
+    a complete step_<N>-or-its-copy on disk."""
+    old = os.path.join(root, f".old_step_{step}")
+    if os.path.isdir(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_set_aside(output_dir: str) -> list[str]:
+    """Put back a `.old_step_<N>` whose replacement never arrived (killed between _commit's two renames); delete
+    one whose replacement is in place. Main process, before checkpoints are listed or written."""
+    root = checkpoints_root(output_dir)
+    restored = []
+    for d in os.listdir(root) if os.path.isdir(root) else []:
+        if m := _OLD_DIR.match(d):
+            final = os.path.join(root, f"step_{m.group(1)}")
+            if os.path.isdir(final):
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            else:
+                os.replace(os.path.join(root, d), final)
+                restored.append(final)
+    return restored
+
+
+def set_aside_newer(output_dir: str, step: int) -> tuple[list[str], str | None]:
+    """A run resumed from step K continues a new lineage: checkpoints in output_dir newer than K (a later
+    attempt, or another run's) would be preferred by `latest` over this run's own. They are moved, not deleted,
+    into `checkpoints/superseded-<time>/`. Returns (moved step folders, that folder)."""
+    newer = [p for p in list_checkpoints(output_dir) if int(os.path.basename(p).split("_")[1]) > step]
+    if not newer:
+        return [], None
+    aside = os.path.join(checkpoints_root(output_dir), f"superseded-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(aside, exist_ok=True)
+    for path in newer:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    _fsync_dir(checkpoints_root(output_dir))
+    return newer, aside
 
 
 # ------------------------------------------------------------------------------------------------------- checking
@@ -281,6 +325,8 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
     if spec.startswith("auto:"):  # an elastic restart of a run started from another folder: newest here first
         return resolve_resume_path("auto", output_dir, log) or resolve_resume_path(spec[5:], output_dir, log)
     if spec in ("latest", "auto"):
+        for path in restore_set_aside(output_dir):
+            log(f"Restored {path}: killed while the same step was being written again.")
         found = list_checkpoints(output_dir)
         if not found:
             if spec == "auto":

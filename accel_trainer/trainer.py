@@ -748,6 +748,15 @@ class Trainer:
         if self.accelerator.is_main_process:
             for stale in ckpt.remove_stale_tmp(self.args.output_dir):
                 self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
+            moved, aside = ckpt.set_aside_newer(self.args.output_dir, state["global_step"])
+            if moved:  # said even when quiet: checkpoints were moved
+                print(
+                    f"warning: moved {', '.join(os.path.basename(p) for p in moved)} to {aside}: newer than "
+                    f"step_{state['global_step']}, which this run resumes from, so `latest` would prefer them over "
+                    "this run's own checkpoints. Delete that folder if you do not need it.",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
         self.progress.batch_in_epoch = position
         moved = "" if saved["num_processes"] == self.accelerator.num_processes else (

@@ -307,3 +307,50 @@ def test_compiled_model_with_ema_saves_plain_names(tmp_path):
         fresh = regression.build_model(types.SimpleNamespace(args=regression.Args()))
         load_model(fresh, str(path))  # strict: no missing or unexpected names
         assert torch.equal(fresh.state_dict()["0.weight"], load_file(path)["0.weight"])
+
+
+def test_resaving_a_step_never_leaves_it_missing(trained, tmp_path, monkeypatch):
+    # A resumed finished run writes its last step again. Killed between taking the old folder away and putting the
+    # new one in place (here: the rename of the new folder fails), the complete step_12 must still be found.
+    import accel_trainer.checkpoint as ckpt
+
+    out = copy_run(trained, tmp_path / "run")
+    real_replace = os.replace
+
+    def killed_at_commit(src, dst):
+        if os.path.basename(str(src)) == ".tmp_step_12":
+            raise KeyboardInterrupt("killed")
+        return real_replace(src, dst)
+
+    t = make(out, max_steps=12, save_steps=4, resume_from_checkpoint="latest")
+    monkeypatch.setattr(ckpt.os, "replace", killed_at_commit)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit()
+    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    assert ckpt.resolve_resume_path("latest", str(out)) == str(out / "checkpoints" / "step_12")
+    # the copy set aside is back in place; the interrupted new one is the .tmp_ folder the next resume removes
+    assert sorted(os.listdir(out / "checkpoints")) == [".tmp_step_12", "step_12", "step_4", "step_8"]
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tmp_path, capsys):
+    # Resumed from step 4 with steps 8 and 12 of the first attempt present, then stopped after its own step 8:
+    # `latest` must be this run's step 8, not the first attempt's step 12, and nothing is deleted.
+    import accel_trainer.checkpoint as ckpt
+
+    out = copy_run(trained, tmp_path / "run")
+    old12 = load_file(out / "checkpoints" / "step_12" / "model.safetensors")
+    t = make(out, max_steps=12, save_steps=4, resume_from_checkpoint=str(out / "checkpoints" / "step_4"))
+
+    def stop(trainer, path):
+        if trainer.global_step == 8:
+            raise KeyboardInterrupt("killed")
+
+    t.on("checkpoint_written", stop)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit()
+    assert ckpt.resolve_resume_path("latest", str(out)) == str(out / "checkpoints" / "step_8")
+    assert "newer than step_4, which this run resumes from" in capsys.readouterr().err
+    aside = [d for d in os.listdir(out / "checkpoints") if d.startswith("superseded")]
+    assert len(aside) == 1 and sorted(os.listdir(out / "checkpoints" / aside[0])) == ["step_12", "step_8"]
+    kept = load_file(out / "checkpoints" / aside[0] / "step_12" / "model.safetensors")
+    assert all(torch.equal(old12[k], kept[k]) for k in old12)
