@@ -13,6 +13,8 @@ checkpoint, say why, and use the previous good one. See docs/fault-tolerance.md.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -39,6 +41,10 @@ _PICKLED = (".bin", ".pkl", ".pt", ".pth")  # what accelerate.load_state reads w
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message names the folder or file and what to do."""
+
+
+class DiskFullError(UserError):
+    """The disk filled while writing a checkpoint or the model; the message names where and the last good step."""
 
 
 def checkpoints_root(output_dir: str) -> str:
@@ -118,23 +124,73 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # model (safetensors), optimizer, scheduler, scaler, sampler, per-rank RNG
-    if accelerator.is_main_process:
-        if ema is not None:
-            save_model(ema.module, os.path.join(tmp, EMA_FILE))
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump(state, f, indent=2)
+    with disk_full_is_one_line(output_dir, f"checkpoint step_{step} into {root}", tmp):
+        accelerator.save_state(tmp)  # model (safetensors), optimizer, scheduler, scaler, sampler, per-rank RNG
+        if accelerator.is_main_process:
+            if ema is not None:
+                save_model(ema.module, os.path.join(tmp, EMA_FILE))
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump(state, f, indent=2)
     if on_staged is not None:
         on_staged(tmp)
     accelerator.wait_for_everyone()  # every rank's files are in tmp
     if accelerator.is_main_process:
-        write_manifest(tmp, state)
+        with disk_full_is_one_line(output_dir, f"checkpoint step_{step} into {root}", tmp):
+            write_manifest(tmp, state)
         _commit(root, tmp, final, step)
         if save_total_limit:
             for old in list_checkpoints(output_dir)[:-save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _folder_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, rel)) for rel in _files(path)) if os.path.isdir(path) else 0
+
+
+def is_disk_full(error: BaseException, folder: str, needed: int = 0) -> bool:
+    """ENOSPC as an OSError, as safetensors' `os error 28`, or -- torch.save's C++ writer reports a full disk
+    without errno ("iostream error", "file write failed") -- any write error while the disk of `folder` has less
+    room left than `needed` (what the write takes: a checkpoint of this run) or 1 MiB."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(s in str(error) for s in ("No space left on device", "os error 28", "StorageFull", "Disk quota")):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < max(1 << 20, needed)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None):
+    """A write under output_dir that fills the disk becomes DiskFullError: one line saying the disk is full,
+    where, and which checkpoint is the last good one (the newest complete one, which a failed write never
+    touches). The partial folder or file is deleted, giving its space back."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - only a full disk is turned into a message; anything else re-raises
+        good = list_checkpoints(output_dir)
+        if not is_disk_full(e, output_dir, _folder_size(good[-1]) if good else 0):
+            raise
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True) if os.path.isdir(partial) else _remove(partial)
+        last = f"the last good checkpoint is step {_step_of(good[-1])} ({good[-1]})" if good else "no checkpoint yet"
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise DiskFullError(
+            f"The disk is full: writing {what} failed ({type(e).__name__}: {first}); {last}. Free space there, "
+            "then resume with --resume_from_checkpoint latest."
+        ) from None
+
+
+def _remove(path: str):
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def _step_of(path: str) -> int:
+    return int(os.path.basename(path).split("_")[1])
 
 
 def _commit(root: str, tmp: str, final: str, step: int):

@@ -798,7 +798,8 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             tmp = path + ".tmp"
-            save_model(self.ema.module if self.ema is not None else self.unwrapped_model, tmp)
+            with ckpt.disk_full_is_one_line(self.args.output_dir, f"the model to {path}", tmp):
+                save_model(self.ema.module if self.ema is not None else self.unwrapped_model, tmp)
             os.replace(tmp, path)
         self.accelerator.wait_for_everyone()
         return path
