@@ -7,9 +7,12 @@
 
 Gradient accumulation is ours, not `accelerator.accumulate`: one update's gradient must be the mean over every
 item (sample or token) of the global batch, weighted by item count, on any world size. Each micro-batch's
-backward uses its summed loss (mean x n_items); at the window's end the item count of the whole global batch is
-all-reduced once and the gradients are scaled by world_size / N (DDP and FSDP have averaged over ranks). With one
-process and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a plain loop).
+backward uses its summed loss (mean x n_items); before the window's last backward (the one DDP communicates) the
+item count N of the whole global batch is all-reduced once, the gradients so far are scaled by world_size / N and
+the last backward uses mean x n_items x world_size / N (DDP then averages over ranks): what is communicated is of
+mean size, which a compressing comm hook (fp16) needs. Under FSDP the same scaling comes after the last backward.
+With one process and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a
+plain loop).
 
 Sharded training (FSDP2, docs/sharding.md) is the same loop: accel.py makes Accelerate shard (on CPU too),
 prepare goes through sharding.prepare_sharded, checkpoints are DCP shards and save_model gathers the full model.
@@ -467,30 +470,25 @@ class Trainer:
         flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
         with flops or nullcontext():
             for i, batch in enumerate(window):
-                sync = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
-                with nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(self.model):
+                last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
+                with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
                     loss, n = self.recipe.loss(self.model, batch)
-                    self._backward(loss * n if self._weighted else loss)
-                loss_sum = loss_sum + loss.detach() * n
-                n_sum = n_sum + n
+                    loss_sum = loss_sum + loss.detach() * n
+                    n_sum = n_sum + n
+                    if not self._weighted:
+                        self._backward(loss)
+                    elif last and not self.sharded:  # DDP: scaled to the mean before it is communicated
+                        loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
+                        self._backward(loss * n * self._to_mean(n_sum))
+                    else:
+                        self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
+        if self._weighted and self.sharded:
+            # FSDP2 accumulates a window's gradients inside its unsharded parameters, out of our reach until the
+            # last backward's reduce-scatter writes the sharded .grad: scaled after it (see _to_mean).
+            loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
+            self._to_mean(n_sum)
         if flops is not None:
             self.meter.counted(flops)
-        if self._weighted:
-            totals = torch.stack(
-                [
-                    torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                    torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                    self.preemption.vote(),  # the preemption vote rides on this all-reduce: no extra collective
-                ]
-            )
-            if acc.num_processes > 1:
-                totals = acc.reduce(totals, reduction="sum")
-                self.preemption.record(totals[2])
-            loss_sum, n_sum = totals[0], totals[1]
-            # DDP (FSDP: on the DTensor shards) averaged the per-rank sums over ranks; the mean over all N items of the global batch is that
-            # times world_size / N. clamp: a window with no items (all masked) leaves the gradients at zero.
-            grads = [q.grad for q in self._params if q.grad is not None]
-            torch._foreach_mul_(grads, acc.num_processes / n_sum.clamp(min=1))
         loss_mean = (loss_sum / n_sum).detach()
         self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
         self._grad_norm = None
@@ -528,6 +526,35 @@ class Trainer:
         if not grads:
             return None
         return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+    def _reduce_totals(self, loss_sum, n_sum):
+        """The window's loss sum and item count over every rank: the update's one all-reduce, before the last
+        backward (the preemption vote rides on it: no extra collective)."""
+        acc = self.accelerator
+        totals = torch.stack(
+            [
+                torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
+                torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
+                self.preemption.vote(),
+            ]
+        )
+        if acc.num_processes > 1:
+            totals = acc.reduce(totals, reduction="sum")
+            self.preemption.record(totals[2])
+        return totals[0], totals[1]
+
+    def _to_mean(self, n_total):
+        """The factor that makes the window's summed-loss gradients the mean over all N items of the global batch,
+        once DDP (FSDP: on the DTensor shards) has averaged over ranks: world_size / N, applied to the gradients
+        there are (returned for the last micro-batch's loss). Without FSDP it is applied before the gradient is
+        communicated -- to the gradients accumulated so far, and to the last micro-batch's loss -- so that what a
+        compressing comm hook sees (fp16: cast before the division) is of mean size, not item-count times larger
+        (inf above fp16's 65504). clamp: a window with no items leaves the gradients at zero."""
+        scale = self.accelerator.num_processes / n_total.clamp(min=1)
+        grads = [q.grad for q in self._params if q.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+        return scale
 
     def _backward(self, loss):
         if not self._plain_torch:
