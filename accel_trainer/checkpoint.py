@@ -13,6 +13,8 @@ checkpoint, say why, and use the previous good one. See docs/fault-tolerance.md.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -33,11 +35,16 @@ MANIFEST_FORMAT = 1
 MODEL_FILE = "model.safetensors"  # accelerate's SAFE_MODEL_NAME + ".safetensors"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$")
+_OLD_DIR = re.compile(r"^\.old_step_(\d+)$")  # a complete checkpoint set aside while the same step is re-saved
 _PICKLED = (".bin", ".pkl", ".pt", ".pth")  # what accelerate.load_state reads with torch.load
 
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message names the folder or file and what to do."""
+
+
+class DiskFullError(UserError):
+    """The disk filled while writing a checkpoint or the model; the message names where and the last good step."""
 
 
 def checkpoints_root(output_dir: str) -> str:
@@ -113,29 +120,122 @@ def save_checkpoint(
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp_step_{step}")
     if accelerator.is_main_process:
+        restore_set_aside(output_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # model (safetensors), optimizer, scheduler, scaler, sampler, per-rank RNG
-    if accelerator.is_main_process:
-        if ema is not None:
-            save_model(ema.module, os.path.join(tmp, EMA_FILE))
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump(state, f, indent=2)
+    with disk_full_is_one_line(output_dir, f"checkpoint step_{step} into {root}", tmp):
+        accelerator.save_state(tmp)  # model (safetensors), optimizer, scheduler, scaler, sampler, per-rank RNG
+        if accelerator.is_main_process:
+            if ema is not None:
+                save_model(ema.module, os.path.join(tmp, EMA_FILE))
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump(state, f, indent=2)
     if on_staged is not None:
         on_staged(tmp)
     accelerator.wait_for_everyone()  # every rank's files are in tmp
     if accelerator.is_main_process:
-        write_manifest(tmp, state)
-        if os.path.isdir(final):  # a checkpoint of the same step from an earlier attempt: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        with disk_full_is_one_line(output_dir, f"checkpoint step_{step} into {root}", tmp):
+            write_manifest(tmp, state)
+        _commit(root, tmp, final, step)
         if save_total_limit:
             for old in list_checkpoints(output_dir)[:-save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _folder_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, rel)) for rel in _files(path)) if os.path.isdir(path) else 0
+
+
+def is_disk_full(error: BaseException, folder: str, needed: int = 0) -> bool:
+    """ENOSPC as an OSError, as safetensors' `os error 28`, or -- torch.save's C++ writer reports a full disk
+    without errno ("iostream error", "file write failed") -- any write error while the disk of `folder` has less
+    room left than `needed` (what the write takes: a checkpoint of this run) or 1 MiB."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(s in str(error) for s in ("No space left on device", "os error 28", "StorageFull", "Disk quota")):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < max(1 << 20, needed)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None):
+    """A write under output_dir that fills the disk becomes DiskFullError: one line saying the disk is full,
+    where, and which checkpoint is the last good one (the newest complete one, which a failed write never
+    touches). The partial folder or file is deleted, giving its space back."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - only a full disk is turned into a message; anything else re-raises
+        good = list_checkpoints(output_dir)
+        if not is_disk_full(e, output_dir, _folder_size(good[-1]) if good else 0):
+            raise
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True) if os.path.isdir(partial) else _remove(partial)
+        last = f"the last good checkpoint is step {_step_of(good[-1])} ({good[-1]})" if good else "no checkpoint yet"
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise DiskFullError(
+            f"The disk is full: writing {what} failed ({type(e).__name__}: {first}); {last}. Free space there, "
+            "then resume with --resume_from_checkpoint latest."
+        ) from None
+
+
+def _remove(path: str):
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def _step_of(path: str) -> int:
+    return int(os.path.basename(path).split("_")[1])
+
+
+def _commit(root: str, tmp: str, final: str, step: int):
+    """Rename the written folder into place. A checkpoint of the same step already there (a resumed finished run
+    writes its last step again) is first renamed aside to `.old_step_<N>` and deleted only after the new one is
+    in place: a kill in between leaves `.old_step_<N>`, which restore_set_aside puts back. Never a moment without
+    a complete step_<N>-or-its-copy on disk."""
+    old = os.path.join(root, f".old_step_{step}")
+    if os.path.isdir(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_set_aside(output_dir: str) -> list[str]:
+    """Put back a `.old_step_<N>` whose replacement never arrived (killed between _commit's two renames); delete
+    one whose replacement is in place. Main process, before checkpoints are listed or written."""
+    root = checkpoints_root(output_dir)
+    restored = []
+    for d in os.listdir(root) if os.path.isdir(root) else []:
+        if m := _OLD_DIR.match(d):
+            final = os.path.join(root, f"step_{m.group(1)}")
+            if os.path.isdir(final):
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            else:
+                os.replace(os.path.join(root, d), final)
+                restored.append(final)
+    return restored
+
+
+def set_aside_newer(output_dir: str, step: int) -> tuple[list[str], str | None]:
+    """A run resumed from step K continues a new lineage: checkpoints in output_dir newer than K (a later
+    attempt, or another run's) would be preferred by `latest` over this run's own. They are moved, not deleted,
+    into `checkpoints/superseded-<time>/`. Returns (moved step folders, that folder)."""
+    newer = [p for p in list_checkpoints(output_dir) if int(os.path.basename(p).split("_")[1]) > step]
+    if not newer:
+        return [], None
+    aside = os.path.join(checkpoints_root(output_dir), f"superseded-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(aside, exist_ok=True)
+    for path in newer:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    _fsync_dir(checkpoints_root(output_dir))
+    return newer, aside
 
 
 # ------------------------------------------------------------------------------------------------------- checking
@@ -225,13 +325,17 @@ def check_compatible(path: str, model):
 
 def _check_shapes(path: str, where: str, found: dict, model):
     """The tensor names and shapes `found` in a checkpoint are this model's (DTensors: their global shapes)."""
-    expected = {_plain_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    expected = {_plain_key(k): tuple(v.shape) for k, v in state.items()}
     problems = [
         f"{k}: {found[k]} in the checkpoint, {expected[k]} in this model"
         for k in expected
         if k in found and found[k] != expected[k]
     ]
-    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    missing, extra = (
+        sorted(set(expected) - set(found) - _tied_aliases(state, found)),
+        sorted(set(found) - set(expected)),
+    )
     if missing:
         problems.append(f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if extra:
@@ -241,6 +345,28 @@ def _check_shapes(path: str, where: str, found: dict, model):
             f"Checkpoint {path}: {where} does not fit this model ({'; '.join(problems[:5])}). "
             "Resume with the model arguments the checkpoint was written with."
         )
+
+
+def _tied_aliases(state: dict, found: dict) -> set[str]:
+    """Names the checkpoint may lack because they are tied: the model's tensor under that name shares its storage
+    with a tensor the checkpoint holds (GPT-2's lm_head.weight is its input embedding; Accelerate's save keeps
+    one name of a shared tensor, clean_state_dict_for_safetensors). A name that is not tied in this model stays
+    required, so a checkpoint of an untied model still fits only an untied one."""
+    from accelerate.utils import id_tensor_storage
+
+    groups: dict = {}
+    for k, v in state.items():
+        local = v.to_local() if hasattr(v, "to_local") else v  # a DTensor's storage is its local shard's
+        if local.numel() == 0:  # empty tensors have no storage to share
+            continue
+        groups.setdefault((id_tensor_storage(local), local.storage_offset(), tuple(local.shape)), []).append(
+            _plain_key(k)
+        )
+    aliases = set()
+    for names in groups.values():
+        if len(names) > 1 and any(n in found for n in names):
+            aliases.update(n for n in names if n not in found)
+    return aliases
 
 
 # ------------------------------------------------------------------------------------------------------ resolving
@@ -255,6 +381,8 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
     if spec.startswith("auto:"):  # an elastic restart of a run started from another folder: newest here first
         return resolve_resume_path("auto", output_dir, log) or resolve_resume_path(spec[5:], output_dir, log)
     if spec in ("latest", "auto"):
+        for path in restore_set_aside(output_dir):
+            log(f"Restored {path}: killed while the same step was being written again.")
         found = list_checkpoints(output_dir)
         if not found:
             if spec == "auto":

@@ -7,6 +7,7 @@ argument value) ends with one clear line on stderr and exit 1, not a traceback; 
 
 from __future__ import annotations
 
+import errno
 import sys
 
 from .args import ArgumentError, resolve_args
@@ -20,9 +21,21 @@ def run(recipe, argv: list[str] | None = None) -> dict:
     from .recipe import load_recipe
     from .trainer import Trainer
 
+    args = None
     try:
         recipe = load_recipe(recipe)
         return Trainer(recipe, resolve_args(recipe, argv)).fit()
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except OSError as e:  # a full disk outside a checkpoint write (a log line): the same one line
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or args is None:
+            raise
+        from .checkpoint import DiskFullError, disk_full_is_one_line
+
+        try:
+            with disk_full_is_one_line(args.output_dir, e.filename or args.output_dir):
+                raise e
+        except DiskFullError as full:
+            print(f"error: {full}", file=sys.stderr, flush=True)
+            sys.exit(1)

@@ -7,9 +7,12 @@
 
 Gradient accumulation is ours, not `accelerator.accumulate`: one update's gradient must be the mean over every
 item (sample or token) of the global batch, weighted by item count, on any world size. Each micro-batch's
-backward uses its summed loss (mean x n_items); at the window's end the item count of the whole global batch is
-all-reduced once and the gradients are scaled by world_size / N (DDP and FSDP have averaged over ranks). With one
-process and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a plain loop).
+backward uses its summed loss (mean x n_items); before the window's last backward (the one DDP communicates) the
+item count N of the whole global batch is all-reduced once, the gradients so far are scaled by world_size / N and
+the last backward uses mean x n_items x world_size / N (DDP then averages over ranks): what is communicated is of
+mean size, which a compressing comm hook (fp16) needs. Under FSDP the same scaling comes after the last backward.
+With one process and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a
+plain loop).
 
 Sharded training (FSDP2, docs/sharding.md) is the same loop: accel.py makes Accelerate shard (on CPU too),
 prepare goes through sharding.prepare_sharded, checkpoints are DCP shards and save_model gathers the full model.
@@ -196,10 +199,9 @@ class Trainer:
             acc, model, optimizer, scheduler, wrap=r.fsdp_wrap
         )
         self.sharded = acc.distributed_type == DistributedType.FSDP
+        # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
         self.ema = (
-            AveragedModel(
-                acc.unwrap_model(self.model), multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True
-            )
+            AveragedModel(self.unwrapped_model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True)
             if args.ema_decay > 0
             else None
         )
@@ -466,51 +468,91 @@ class Trainer:
         flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
         with flops or nullcontext():
             for i, batch in enumerate(window):
-                sync = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
-                with nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(self.model):
+                last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
+                with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
                     loss, n = self.recipe.loss(self.model, batch)
-                    self._backward(loss * n if self._weighted else loss)
-                loss_sum = loss_sum + loss.detach() * n
-                n_sum = n_sum + n
+                    loss_sum = loss_sum + loss.detach() * n
+                    n_sum = n_sum + n
+                    if not self._weighted:
+                        self._backward(loss)
+                    elif last and not self.sharded:  # DDP: scaled to the mean before it is communicated
+                        loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
+                        self._backward(loss * n * self._to_mean(n_sum))
+                    else:
+                        self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
+        if self._weighted and self.sharded:
+            # FSDP2 accumulates a window's gradients inside its unsharded parameters, out of our reach until the
+            # last backward's reduce-scatter writes the sharded .grad: scaled after it (see _to_mean).
+            loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
+            self._to_mean(n_sum)
         if flops is not None:
             self.meter.counted(flops)
-        if self._weighted:
-            totals = torch.stack(
-                [
-                    torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                    torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                    self.preemption.vote(),  # the preemption vote rides on this all-reduce: no extra collective
-                ]
-            )
-            if acc.num_processes > 1:
-                totals = acc.reduce(totals, reduction="sum")
-                self.preemption.record(totals[2])
-            loss_sum, n_sum = totals[0], totals[1]
-            # DDP (FSDP: on the DTensor shards) averaged the per-rank sums over ranks; the mean over all N items of the global batch is that
-            # times world_size / N. clamp: a window with no items (all masked) leaves the gradients at zero.
-            grads = [q.grad for q in self._params if q.grad is not None]
-            torch._foreach_mul_(grads, acc.num_processes / n_sum.clamp(min=1))
         loss_mean = (loss_sum / n_sum).detach()
         self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
         self._grad_norm = None
-
-        if args.nan_policy == "skip" and not torch.isfinite(loss_mean):
-            stepped = False  # the update is recorded (logged as skipped) but changes nothing
+        if args.max_grad_norm > 0:
+            self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
+        # A finite loss can still give non-finite gradients (and NaN weights after the step): the grad norm is
+        # checked with the loss, by the same --nan_policy. Not under fp16: an overflow is the scaler's to skip.
+        grad_norm = None
+        if acc.scaler is None:
+            grad_norm = self._grad_norm if self._grad_norm is not None else self._total_grad_norm()
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor; the global value, the same on every rank
+                grad_norm = grad_norm.full_tensor()
+        if args.nan_policy == "skip" and not (
+            torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
+        ):
+            stepped, self._grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
         else:
-            if args.max_grad_norm > 0:
-                self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
             stepped = self._optimizer_step()
         if stepped:
             if schedule:
                 self.scheduler.step()
             if self.ema is not None:
-                self.ema.update_parameters(acc.unwrap_model(self.model))
+                self.ema.update_parameters(self.unwrapped_model)
         else:
             p.skipped_steps += 1
         self._inner_opt.zero_grad(set_to_none=True)
         p.global_step += 1
-        self._log_window.append((loss_mean, p.global_step))
+        self._log_window.append((loss_mean, grad_norm if stepped else None, p.global_step))
         return loss_mean
+
+    def _total_grad_norm(self):
+        """The global gradient norm without clipping (a tensor, no host sync): torch's foreach kernels, one pass
+        over the gradients (under FSDP a DTensor of the shards' norms)."""
+        grads = [q.grad for q in self._params if q.grad is not None]
+        if not grads:
+            return None
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+    def _reduce_totals(self, loss_sum, n_sum):
+        """The window's loss sum and item count over every rank: the update's one all-reduce, before the last
+        backward (the preemption vote rides on it: no extra collective)."""
+        acc = self.accelerator
+        totals = torch.stack(
+            [
+                torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
+                torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
+                self.preemption.vote(),
+            ]
+        )
+        if acc.num_processes > 1:
+            totals = acc.reduce(totals, reduction="sum")
+            self.preemption.record(totals[2])
+        return totals[0], totals[1]
+
+    def _to_mean(self, n_total):
+        """The factor that makes the window's summed-loss gradients the mean over all N items of the global batch,
+        once DDP (FSDP: on the DTensor shards) has averaged over ranks: world_size / N, applied to the gradients
+        there are (returned for the last micro-batch's loss). Without FSDP it is applied before the gradient is
+        communicated -- to the gradients accumulated so far, and to the last micro-batch's loss -- so that what a
+        compressing comm hook sees (fp16: cast before the division) is of mean size, not item-count times larger
+        (inf above fp16's 65504). clamp: a window with no items leaves the gradients at zero."""
+        scale = self.accelerator.num_processes / n_total.clamp(min=1)
+        grads = [q.grad for q in self._params if q.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
+        return scale
 
     def _backward(self, loss):
         if not self._plain_torch:
@@ -538,14 +580,10 @@ class Trainer:
         """One metrics.jsonl row for the updates since the last log (the only host sync of the loop)."""
         if not self._log_window:
             return None
-        losses = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v, _ in self._log_window]).float().cpu()
+        losses = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v, _, _ in self._log_window]).float().cpu()
         finite = torch.isfinite(losses)
-        if not finite.all() and self.args.nan_policy == "stop":
-            bad_step = self._log_window[int((~finite).nonzero()[0])][1]
-            raise NonFiniteLossError(
-                f"Loss is {losses[~finite][0].item()} at step {bad_step}; the run stops (no checkpoint is written "
-                "over the last good one). Lower the learning rate, check the data, or pass --nan_policy skip."
-            )
+        if self.args.nan_policy == "stop":
+            self._stop_if_not_finite(losses, finite)
         metrics = {
             "loss": losses[finite].mean().item() if finite.any() else float("nan"),
             "learning_rate": self.scheduler.get_last_lr()[0],
@@ -561,6 +599,28 @@ class Trainer:
         if progress_bar is not None and not progress_bar.disable:
             progress_bar.set_postfix(loss=f"{metrics['loss']:.4g}", samples_s=f"{metrics['samples_per_second']:.4g}")
         return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress_bar)
+
+    def _stop_if_not_finite(self, losses, finite):
+        """--nan_policy stop: the first update of the log window whose loss, or whose gradient norm (a finite loss
+        can have NaN/inf gradients, which the step turns into NaN weights), is not finite stops the run."""
+        norms = [(i, g) for i, (_, g, _) in enumerate(self._log_window) if g is not None]
+        norm_ok = torch.ones_like(finite)
+        if norms:
+            values = torch.stack([torch.as_tensor(g, dtype=torch.float32).reshape(()) for _, g in norms]).cpu()
+            norm_ok[[i for i, _ in norms]] = torch.isfinite(values)
+        if finite.all() and norm_ok.all():
+            return
+        first = int((~(finite & norm_ok)).nonzero()[0])
+        step = self._log_window[first][2]
+        what = (
+            f"Loss is {losses[first].item()}"
+            if not finite[first]
+            else f"The gradient norm is {float(self._log_window[first][1])} (loss {losses[first].item():.4g})"
+        )
+        raise NonFiniteLossError(
+            f"{what} at step {step}; the run stops (no checkpoint is written over the last good one). Lower the "
+            "learning rate, check the data, or pass --nan_policy skip."
+        )
 
     def _epoch_float(self) -> float:
         return self.progress.epoch + self.progress.batch_in_epoch / self.micro_batches_per_epoch
@@ -713,6 +773,15 @@ class Trainer:
         if self.accelerator.is_main_process:
             for stale in ckpt.remove_stale_tmp(self.args.output_dir):
                 self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
+            moved, aside = ckpt.set_aside_newer(self.args.output_dir, state["global_step"])
+            if moved:  # said even when quiet: checkpoints were moved
+                print(
+                    f"warning: moved {', '.join(os.path.basename(p) for p in moved)} to {aside}: newer than "
+                    f"step_{state['global_step']}, which this run resumes from, so `latest` would prefer them over "
+                    "this run's own checkpoints. Delete that folder if you do not need it.",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
         self.progress.batch_in_epoch = position
         moved = "" if saved["num_processes"] == self.accelerator.num_processes else (
@@ -754,7 +823,8 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             tmp = path + ".tmp"
-            save_model(self.ema.module if self.ema is not None else self.unwrapped_model, tmp)
+            with ckpt.disk_full_is_one_line(self.args.output_dir, f"the model to {path}", tmp):
+                save_model(self.ema.module if self.ema is not None else self.unwrapped_model, tmp)
             os.replace(tmp, path)
         self.accelerator.wait_for_everyone()
         return path

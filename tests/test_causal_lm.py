@@ -180,6 +180,56 @@ def test_from_scratch_end_to_end(env, tmp_path):
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+def test_tied_embeddings_resume_from_own_checkpoint_bit_identical(env, tmp_path):
+    # GPT-2 ties lm_head.weight to the input embedding; Accelerate's save stores the shared tensor once. A run
+    # stopped after its step-4 checkpoint (the later ones and the final model removed, as a kill leaves it) must
+    # resume with `latest` and end with the bytes of the uninterrupted run (CPU fp32).
+    import shutil
+
+    common = [
+        "--config_name",
+        env["config_only"],
+        "--tokenizer_name",
+        env["config_only"],
+        "--train_file",
+        env["train"],
+        "--block_size",
+        "16",
+        "--max_steps",
+        "8",
+        "--save_steps",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "2",
+        "--disable_tqdm",
+        "--sample_max_new_tokens",
+        "0",
+        "--seed",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--cache_dir",
+        env["cache"],
+    ]
+    ref = tmp_path / "ref"
+    proc = run_recipe("causal_lm", common + ["--output_dir", str(ref)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stopped = tmp_path / "stopped"
+    shutil.copytree(ref, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step_8")
+    os.remove(stopped / "model.safetensors")
+    proc = run_recipe(
+        "causal_lm", common + ["--output_dir", str(stopped), "--resume_from_checkpoint", "latest"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Resumed from" in proc.stdout + proc.stderr and "step_4" in proc.stdout + proc.stderr
+    assert (stopped / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+
+
 # ------------------------------------------------------------------------------------------ token-count parity
 # --adam_epsilon 1e-6: Adam divides each coordinate by its own gradient scale. A coordinate whose gradient is a
 # nearly cancelling sum (|g| ~ 1e-9 from terms ~1e-3) carries float rounding noise as large as itself, and the

@@ -214,6 +214,46 @@ def test_nan_skip_skips_and_counts(tmp_path):
     assert all(torch.isfinite(v).all() for v in load_file(out / "model.safetensors").values())
 
 
+def _nan_grad_recipe(at_update: int):
+    """regression, with a finite loss whose gradient is NaN at the `at_update`-th update (1-based): sqrt'(0) = inf
+    times d(0 * w)/dw = 0."""
+    rec = _nan_recipe(0)
+    calls = {"n": 0}
+
+    def loss(model, batch):
+        value, n = regression.loss(model, batch)
+        calls["n"] += 1
+        if calls["n"] == at_update:
+            value = value + (model[0].weight * 0).sum().sqrt()
+        return value, n
+
+    rec.loss = loss
+    return rec
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_nan_gradient_with_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, max_grad_norm):
+    out = tmp_path / "run"
+    # The checkpoint is due at the very update whose gradient is NaN (its loss, computed before, is finite).
+    kw = dict(max_steps=12, save_steps=3, logging_steps=5, save_total_limit=1, max_grad_norm=max_grad_norm)
+    t = make(out, _nan_grad_recipe(6), **kw)
+    with pytest.raises(NonFiniteLossError, match=r"The gradient norm is nan \(loss [0-9.]+\) at step 6; the run stops"):
+        t.fit()
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_3"]  # the last good one, not replaced
+    good = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in good.values())
+
+
+def test_nan_gradient_with_finite_loss_is_skipped_under_skip(tmp_path):
+    out = tmp_path / "run"
+    kw = dict(max_steps=12, save_steps=4, logging_steps=4, nan_policy="skip", max_grad_norm=0.0)
+    t = make(out, _nan_grad_recipe(6), **kw)
+    t.fit()
+    assert t.progress.skipped_steps == 1 and t.global_step == 12
+    for f in (out / "model.safetensors", out / "checkpoints" / "step_8" / "model.safetensors"):
+        assert all(torch.isfinite(v).all() for v in load_file(f).values())
+
+
 def test_best_model_is_kept_apart_from_the_checkpoint_limit(tmp_path):
     # A small noisy train set and a large constant learning rate: the eval loss is best at step 20, not at the end.
     kw = dict(save_steps=4, eval_steps=4, save_total_limit=1, lr_scheduler_type="constant", learning_rate=0.2)
@@ -232,3 +272,85 @@ def test_best_model_is_kept_apart_from_the_checkpoint_limit(tmp_path):
     assert open(again / "model.safetensors", "rb").read() == open(out / "best" / "model.safetensors", "rb").read()
     with pytest.raises(Exception, match="metric_for_best_model accuracy: the evaluation gives no such metric"):
         make(tmp_path / "bad", max_steps=4, eval_steps=2, metric_for_best_model="accuracy").fit()
+
+
+def test_tied_tensor_may_be_missing_only_when_tied(tmp_path):
+    # A safetensors file keeps one name of a shared tensor: fine for a model whose two names are one tensor,
+    # refused for a model where they are two (the check must not wave through a really missing tensor).
+    from safetensors.torch import save_model
+
+    from accel_trainer.checkpoint import check_compatible
+
+    class LM(torch.nn.Module):
+        def __init__(self, tied):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+            if tied:
+                self.head.weight = self.embed.weight
+
+    save_model(LM(tied=True), str(tmp_path / "model.safetensors"))
+    assert len(load_file(tmp_path / "model.safetensors")) == 1  # the shared tensor is stored once
+    check_compatible(str(tmp_path), LM(tied=True))
+    with pytest.raises(CheckpointError, match="missing tensors head.weight"):
+        check_compatible(str(tmp_path), LM(tied=False))
+
+
+def test_compiled_model_with_ema_saves_plain_names(tmp_path):
+    # --torch_compile wraps the model (`_orig_mod.`); the EMA copy, model.safetensors and best/model.safetensors
+    # must hold the plain model's names, loadable with safetensors.torch.load_model into a freshly built model.
+    from safetensors.torch import load_model
+
+    out = tmp_path / "run"
+    kw = dict(torch_compile=True, ema_decay=0.9, eval_steps=2, metric_for_best_model="eval_loss")
+    make(out, max_steps=4, save_steps=0, **kw).fit()
+    for path in (out / "model.safetensors", out / "best" / "model.safetensors"):
+        fresh = regression.build_model(types.SimpleNamespace(args=regression.Args()))
+        load_model(fresh, str(path))  # strict: no missing or unexpected names
+        assert torch.equal(fresh.state_dict()["0.weight"], load_file(path)["0.weight"])
+
+
+def test_resaving_a_step_never_leaves_it_missing(trained, tmp_path, monkeypatch):
+    # A resumed finished run writes its last step again. Killed between taking the old folder away and putting the
+    # new one in place (here: the rename of the new folder fails), the complete step_12 must still be found.
+    import accel_trainer.checkpoint as ckpt
+
+    out = copy_run(trained, tmp_path / "run")
+    real_replace = os.replace
+
+    def killed_at_commit(src, dst):
+        if os.path.basename(str(src)) == ".tmp_step_12":
+            raise KeyboardInterrupt("killed")
+        return real_replace(src, dst)
+
+    t = make(out, max_steps=12, save_steps=4, resume_from_checkpoint="latest")
+    monkeypatch.setattr(ckpt.os, "replace", killed_at_commit)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit()
+    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    assert ckpt.resolve_resume_path("latest", str(out)) == str(out / "checkpoints" / "step_12")
+    # the copy set aside is back in place; the interrupted new one is the .tmp_ folder the next resume removes
+    assert sorted(os.listdir(out / "checkpoints")) == [".tmp_step_12", "step_12", "step_4", "step_8"]
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tmp_path, capsys):
+    # Resumed from step 4 with steps 8 and 12 of the first attempt present, then stopped after its own step 8:
+    # `latest` must be this run's step 8, not the first attempt's step 12, and nothing is deleted.
+    import accel_trainer.checkpoint as ckpt
+
+    out = copy_run(trained, tmp_path / "run")
+    old12 = load_file(out / "checkpoints" / "step_12" / "model.safetensors")
+    t = make(out, max_steps=12, save_steps=4, resume_from_checkpoint=str(out / "checkpoints" / "step_4"))
+
+    def stop(trainer, path):
+        if trainer.global_step == 8:
+            raise KeyboardInterrupt("killed")
+
+    t.on("checkpoint_written", stop)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit()
+    assert ckpt.resolve_resume_path("latest", str(out)) == str(out / "checkpoints" / "step_8")
+    assert "newer than step_4, which this run resumes from" in capsys.readouterr().err
+    aside = [d for d in os.listdir(out / "checkpoints") if d.startswith("superseded")]
+    assert len(aside) == 1 and sorted(os.listdir(out / "checkpoints" / aside[0])) == ["step_12", "step_8"]
+    kept = load_file(out / "checkpoints" / aside[0] / "step_12" / "model.safetensors")
+    assert all(torch.equal(old12[k], kept[k]) for k in old12)

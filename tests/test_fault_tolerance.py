@@ -263,3 +263,34 @@ def test_dead_rank_ends_the_job_naming_it(tmp_path, runs):
     assert "rank      : 1 (local_rank: 1)" in log and "exitcode  : 3" in log, log  # torchrun's report
     assert took < 30 + 15, f"{took:.0f} s"  # torchrun's SIGTERM grace for the survivor + slack
     r.no_process_left()
+
+
+def test_disk_full_during_a_checkpoint_is_one_line_naming_the_last_good_step(tmp_path):
+    # A real full disk: a 640 KiB tmpfs holds three checkpoints of this run (~160 KiB each), not four. The run
+    # ends with one line (no traceback) saying the disk is full, where, and the last good step; that checkpoint
+    # is complete and resumes.
+    from accel_trainer.checkpoint import resolve_resume_path
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        out = disk / "run"
+        args = ["--max_steps", "40", "--save_steps", "2", "--hidden_size", "512", "--disable_tqdm"]
+        proc = subprocess.run(
+            launch_cmd(1) + [SCRIPT, "--output_dir", str(out), *args],
+            capture_output=True, text=True, timeout=240, env=env(),
+        )  # fmt: skip
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, proc.stderr[-3000:]
+        good = resolve_resume_path("latest", str(out))
+        step = int(os.path.basename(good).split("_")[1])
+        assert "The disk is full" in errors[0] and str(out / "checkpoints") in errors[0], errors[0]
+        assert f"the last good checkpoint is step {step} ({good})" in errors[0], errors[0]
+        assert step >= 2 and not (out / "model.safetensors").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -135,3 +135,31 @@ def test_notebook_launcher_forms_a_world_of_two(tmp_path):
     assert run_config(out)["num_processes"] == 2
     # the recipe's logging_steps (5) applies in a notebook as on the command line, and the last update is logged
     assert [m["step"] for m in metrics(out) if "loss" in m] == [5, 6]
+
+
+def test_fp16_comm_hook_with_many_items_per_window_stays_finite(tmp_path):
+    # --ddp_comm_hook fp16 casts each rank's gradient to fp16 before the all-reduce. With a summed loss (mean x
+    # items) that gradient is item-count times too large: 2 x 256 samples x 4 targets = 2048 items per rank and a
+    # mean gradient ~200 (targets near 100) give ~4e5, above fp16's 65504 -> inf. The communicated gradient must
+    # be of mean size, and the run close to the same run without compression.
+    import json
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3072, 16, generator=g)
+    y = 100 + torch.tanh(x @ torch.randn(16, 4, generator=g))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"x": a, "y": b}) + "\n" for a, b in zip(x.tolist(), y.tolist())))
+    args = ["--train_file", data, "--per_device_train_batch_size", 256, "--gradient_accumulation_steps", 2,
+            "--max_steps", 3, "--logging_steps", 1, "--learning_rate", 0.01, "--save_steps", 0, "--disable_tqdm"]  # fmt: skip
+    out = {}
+    for hook in ("none", "fp16"):
+        out[hook] = tmp_path / hook
+        run("regression.py", args + ["--output_dir", out[hook], "--ddp_comm_hook", hook], nproc=2)
+        assert run_config(out[hook])["num_processes"] == 2
+    rows = {h: [m for m in metrics(o) if "loss" in m] for h, o in out.items()}
+    assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in rows["fp16"])
+    # fp16 keeps ~3 significant digits of each gradient coordinate
+    assert [r["grad_norm"] for r in rows["fp16"]] == pytest.approx([r["grad_norm"] for r in rows["none"]], rel=1e-3)
+    assert_same_weights(weights(out["fp16"]), weights(out["none"]), rtol=1e-3, atol=1e-4)
