@@ -15,7 +15,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
-from . import sharding
+from . import precision, sharding
 from .args import TrainingArguments
 from .errors import UserError
 from .topology import launched_world
@@ -39,9 +39,7 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
     # On a machine without CUDA, Accelerate only forms a multi-process (gloo) world when told cpu=True;
     # otherwise every launched process silently becomes its own world of size 1 (measured with accelerate 1.15).
     cpu = args.use_cpu or (launched_world_size() > 1 and not torch.cuda.is_available())
-    if args.mixed_precision == "fp8" and not (
-        torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    ):
+    if args.mixed_precision == "fp8" and not precision.has_fp8(precision.training_device(cpu)):
         raise UserError(
             "--mixed_precision fp8 needs a GPU with compute capability >= 8.9 (Ada, Hopper or newer) "
             "and an fp8 backend (transformer-engine, torchao or MS-AMP); use bf16 here."

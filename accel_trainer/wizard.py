@@ -36,11 +36,13 @@ def detect() -> dict:
     """What this machine has, to offer as defaults."""
     import torch
 
+    from .precision import has_fast_bf16
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {
         "gpus": gpus,
         "gpu_name": torch.cuda.get_device_name(0) if gpus else None,
-        "bf16": bool(gpus and torch.cuda.is_bf16_supported()),
+        "bf16": bool(gpus) and has_fast_bf16("cuda"),  # native: a V100 emulates it
         "cpus": os.cpu_count() or 1,
     }
 
