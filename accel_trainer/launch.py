@@ -141,7 +141,8 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
     at = argv.index(args.training_script)  # our flags go before the script; its own arguments stay after it
     given = {a.split("=")[0] for a in argv[:at]}
     machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)
-    rank = int(args.machine_rank or 0)
+    # The flag wins, else the config's (a per-machine config from `accelerate config` holds it), as in accelerate.
+    rank = int(args.machine_rank if args.machine_rank is not None else getattr(config, "machine_rank", 0) or 0)
     if machines > 1 and not 0 <= rank < machines:
         _refuse(
             f"--machine_rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}); "

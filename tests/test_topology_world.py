@@ -246,3 +246,25 @@ def test_launch_plan_keeps_the_users_interface_and_host_role(tmp_path, monkeypat
     assert p.lost_after_s == 7  # machine 1 gives up on a silent machine 0 after the script's --ddp_timeout
     p = launch.plan(["--config_file", cfg, "--machine_rank", "0", "t.py"])
     assert p.cmd[p.cmd.index("--rdzv_conf") + 1].endswith(",is_host=1") and p.lost_after_s is None
+
+
+def test_launch_takes_the_machine_rank_from_a_per_machine_config_unless_the_flag_says_otherwise(tmp_path):
+    """A per-machine accelerate config (`accelerate config` writes machine_rank into it) is what accelerate launch
+    reads; `accel-trainer launch` must read it too, or machines 1..N-1 plan as machine 0 (no machine-0 watch, the
+    c10d store host role, wrong notes). The flag, when given, wins -- as in accelerate."""
+    import yaml
+
+    from accel_trainer import launch, wizard
+
+    argv = ["--dir", str(tmp_path), "--name", "two", "--no-interactive", "--machines", "2", "--cpu"]
+    assert wizard.main(argv + ["--main-ip", "127.0.0.1", "--rdzv", "c10d"]) == 0
+    cfg = tmp_path / "two.yaml"
+    data = yaml.safe_load(cfg.read_text())
+    data["machine_rank"] = 1
+    cfg.write_text(yaml.safe_dump(data))
+    p = launch.plan(["--config_file", str(cfg), "t.py", "--ddp_timeout", "7"])
+    assert p.machine_rank == 1 and p.lost_after_s == 7  # machine 1 watches machine 0
+    assert p.cmd[p.cmd.index("--rdzv_conf") + 1].endswith(",is_host=0") and "machine 1:" in p.notes[0]
+    p = launch.plan(["--config_file", str(cfg), "--machine_rank", "0", "t.py"])
+    assert p.machine_rank == 0 and p.lost_after_s is None
+    assert p.cmd[p.cmd.index("--rdzv_conf") + 1].endswith(",is_host=1")
