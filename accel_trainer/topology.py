@@ -423,6 +423,30 @@ def local_addresses() -> dict[str, str]:
     return out
 
 
+def is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def cluster_addresses() -> list[tuple[str, str]]:
+    """This machine's IPv4 addresses that another machine could reach, as (address, interface): on an interface
+    that is up, neither loopback nor link-local (169.254.x)."""
+    import psutil
+
+    up = {name for name, st in psutil.net_if_stats().items() if st.isup}
+    out = []
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET and name in up and not is_loopback(a.address):
+                if not a.address.startswith("169.254."):
+                    out.append((a.address, name))
+    return out
+
+
 def route_to(host: str, port: int = DEFAULT_PORT) -> Route:
     """The address and interface this machine uses to reach `host`. A UDP socket's connect() asks the kernel for
     the route and the source address without sending anything (what `ip route get` prints, without iproute2).
