@@ -112,6 +112,9 @@ def slurm_script(
     `accel-trainer launch` returns; the script then requeues the job (`--requeue`, `scontrol requeue`) and the
     next run continues from the newest checkpoint (`--resume_from_checkpoint auto`)."""
     per = config.num_processes // config.num_machines
+    # --exclusive: the whole node (all its CPUs) for its one task. Without it SLURM allocates one CPU per task, and
+    # the node's workers and their data loader workers would share that one core. srun's step gets every CPU of
+    # the job on the node (srun uses all of them unless --exact).
     gres = "" if config.use_cpu else f"#SBATCH --gpus-per-node={per}\n"
     restarts = f" --max_restarts {max_restarts}" if max_restarts else ""
     # A fresh rendezvous store per restart round (see topology.RESTART_SAFE_ENV).
@@ -142,6 +145,7 @@ fi
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={config.num_machines}
 #SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
 {gres}#SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@{notice_s}

@@ -299,6 +299,7 @@ def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
     script = tmp_path / "s.slurm.sh"
     text = read(script)
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert "#SBATCH --exclusive" in text  # every CPU of the node, not one (tests/test_topology_slurm.py runs it)
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
     fake = tmp_path / "bin"
     fake.mkdir()
