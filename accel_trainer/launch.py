@@ -158,6 +158,9 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
         # Fails at once on a name that does not resolve or an address without a route, instead of after the
         # rendezvous timeout.
         route = topology.route_to(host, port)
+        route, fixed = topology.loopback_route(route, rank, env)  # machine 0's name resolving to 127.0.1.1
+        if fixed:
+            notes.append(fixed)
         new, kept = topology.network_env(route, env)
         env.update(new)
         notes.append(
@@ -165,8 +168,6 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
             + " ".join(f"{k}={v}" for k, v in new.items())
             + (f" (yours kept: {' '.join(f'{k}={v}' for k, v in kept.items())})" if kept else "")
         )
-        if rank > 0 and route.main_ip.startswith("127.") and not route.local_ip.startswith("127."):
-            notes.append(f"machine {rank}: {host} is a loopback address: other machines cannot reach it")
     if machines > 1:
         if "--rdzv_backend" not in given:
             extra += ["--rdzv_backend", backend]

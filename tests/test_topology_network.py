@@ -53,10 +53,10 @@ def hosts():
         h.down()
 
 
-def wizard_lines(tmp_path, hosts, rdzv, restarts=0) -> tuple[str, list[list[str]]]:
+def wizard_lines(tmp_path, hosts, rdzv, restarts=0, main=None) -> tuple[str, list[list[str]]]:
     """The config and the launch line for each machine, as `accel-trainer config` writes and prints them."""
     argv = ["--dir", str(tmp_path), "--name", f"net_{rdzv}", "--no-interactive", "--cpu", "--machines", "2"]
-    argv += ["--processes-per-machine", "2", "--main-ip", hosts.addr[0], "--rdzv", rdzv, "--rdzv-timeout", "60"]
+    argv += ["--processes-per-machine", "2", "--main-ip", main or hosts.addr[0], "--rdzv", rdzv, "--rdzv-timeout", "60"]
     argv += ["--script", "recipes/regression.py"] + (["--max-restarts", str(restarts)] if restarts else [])
     out = subprocess.run(CLI + ["config", *argv], capture_output=True, text=True, timeout=60, env=env(), cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -130,6 +130,28 @@ def test_two_hosts_form_a_world_of_4_and_train_like_one_process(hosts, tmp_path,
     if rdzv == "c10d":  # machine 0 hosts the rendezvous store, machine 1 never tries
         assert "is_host=1" in logs[0] and "is_host=0" in logs[1]
     assert_same_weights(weights(out), one_process_weights)
+
+
+def test_machine_0_whose_host_name_resolves_to_127_0_1_1_here_still_forms_the_world(hosts, tmp_path):
+    """The Debian default /etc/hosts maps the machine's own name to 127.0.1.1, and SLURM scripts name machine 0 by
+    host name. Machine 0 must not announce loopback (c10d hands its address to the other machines as the store's):
+    it uses its address on the link instead, and says so."""
+    _, lines = wizard_lines(tmp_path, hosts, "c10d", main="node0")
+    etc = []
+    for r, addr in ((0, "127.0.1.1"), (1, hosts.addr[0])):  # machine 0: its own name is loopback; machine 1: DNS
+        etc.append(tmp_path / f"hosts{r}")
+        etc[r].write_text(f"127.0.0.1 localhost\n{addr} node0\n")
+    out = tmp_path / "run"
+    args = ["--output_dir", str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", str(PER_DEVICE)]
+    logs = [open(tmp_path / f"machine{r}.log", "w") for r in (0, 1)]
+    procs = [hosts.popen(r, lines[r] + args, logs[r], hosts_file=str(etc[r]), env=env(), cwd=ROOT) for r in (0, 1)]
+    codes = wait_all(procs, 240)
+    text = read_logs(tmp_path)
+    assert codes == [0, 0], "\n\n".join(log[-3000:] for log in text)
+    assert "'node0' resolves to 127.0.1.1" in text[0] and f"using {hosts.addr[0]} ({hosts.ifname[0]}" in text[0]
+    assert f"PET_LOCAL_ADDR={hosts.addr[0]}" in text[0] and "is_host=1" in text[0]
+    cfg = run_config(out)
+    assert cfg["num_processes"] == 4 and cfg["topology"]["network"]["MASTER_ADDR"] == hosts.addr[0], cfg["topology"]
 
 
 def test_link_cut_mid_run_stops_both_machines_within_the_bound_naming_the_lost_ranks(hosts, tmp_path):
