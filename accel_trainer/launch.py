@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from accel_trainer import sharding, topology
+from accel_trainer import faults, sharding, topology
 from accel_trainer.errors import UserError
 from accel_trainer.faults import EXIT_PREEMPTED
 
@@ -178,6 +178,7 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
             at = argv.index(args.training_script)
         else:
             extra += ["--rdzv_conf", conf]
+    env[faults.LAUNCHED_ENV] = "1"  # the workers keep a SIGUSR1 during set-up (faults.keep_early_preemption)
     if args.max_restarts and backend == "c10d":
         env.setdefault(topology.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see topology.py)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *argv[:at], *extra, *argv[at:]]
