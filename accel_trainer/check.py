@@ -196,9 +196,12 @@ def check_network(config, rank, machines, timeout, r):
     host = config.main_process_ip
     try:
         route = topology.route_to(host, port)
-    except UserError as e:  # no such name, or no route from here
+        route, fixed = topology.loopback_route(route, rank)  # machine 0's name resolving to 127.0.1.1
+    except UserError as e:  # no such name, no route from here, or a loopback machine 0 that cannot be made right
         r.fail(str(e))
         return
+    if fixed:
+        r.warn(fixed)
     new, kept = topology.network_env(route)
     sets = " ".join(f"{k}={v}" for k, v in new.items())
     r.ok(

@@ -423,6 +423,30 @@ def local_addresses() -> dict[str, str]:
     return out
 
 
+def is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def cluster_addresses() -> list[tuple[str, str]]:
+    """This machine's IPv4 addresses that another machine could reach, as (address, interface): on an interface
+    that is up, neither loopback nor link-local (169.254.x)."""
+    import psutil
+
+    up = {name for name, st in psutil.net_if_stats().items() if st.isup}
+    out = []
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET and name in up and not is_loopback(a.address):
+                if not a.address.startswith("169.254."):
+                    out.append((a.address, name))
+    return out
+
+
 def route_to(host: str, port: int = DEFAULT_PORT) -> Route:
     """The address and interface this machine uses to reach `host`. A UDP socket's connect() asks the kernel for
     the route and the source address without sending anything (what `ip route get` prints, without iproute2).
@@ -446,6 +470,68 @@ def route_to(host: str, port: int = DEFAULT_PORT) -> Route:
         ) from None
     mine = local_addresses()
     return Route(host, addr[0], local, mine.get(local), addr[0] in mine)
+
+
+def _default_route_interface() -> str | None:
+    """The interface of this machine's default route (Linux /proc/net/route), or None."""
+    try:
+        with open("/proc/net/route") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if len(fields) > 7 and fields[1] == "00000000" and fields[7] == "00000000":
+                    return fields[0]
+    except OSError:
+        pass
+    return None
+
+
+def loopback_route(route: Route, machine_rank: int, environ=None) -> tuple[Route, str | None]:
+    """A multi-machine route whose machine 0 address resolves to loopback here, made right or refused.
+
+    The Debian default /etc/hosts maps the host name to 127.0.1.1, and SLURM scripts name machine 0 by host name:
+    machine 0 would then pin gloo/NCCL to `lo` and announce 127.0.0.1, which c10d hands to every other machine as
+    the store address. Machine 0 uses instead the address other machines can reach: the interface the user named
+    in GLOO_SOCKET_IFNAME, else the name's own non-loopback address, else this machine's only one, else the one
+    of the default route; several and none of these: refused, naming them. On machines 1..N-1 a name that
+    resolves to loopback points at the machine itself: refused. An address given as loopback (127.0.0.1,
+    localhost) is kept: several launches on one machine. Returns (route, a note for the user or None)."""
+    if not is_loopback(route.main_ip) or is_loopback(route.main):
+        return route, None
+    seen = f"machine 0's address {route.main!r} resolves to {route.main_ip} on this machine (machine {machine_rank})"
+    fix = "set main_process_ip (--main_process_ip) to machine 0's IP address on the cluster network, or fix /etc/hosts"
+    if machine_rank != 0:
+        raise UserError(f"{seen}: a loopback address, this machine itself, not machine 0. Fix: {fix} here.")
+    environ = os.environ if environ is None else environ
+    candidates = cluster_addresses()
+    ip, why = None, ""
+    wanted = environ.get("GLOO_SOCKET_IFNAME")
+    named = [a for a in candidates if a[1] == wanted]
+    try:
+        own = {i[4][0] for i in socket.getaddrinfo(route.main, None, socket.AF_INET)} - {route.main_ip}
+    except OSError:
+        own = set()
+    own_here = [a for a in candidates if a[0] in own]
+    default = [a for a in candidates if a[1] == _default_route_interface()]
+    if named:
+        (ip, iface), why = named[0], f"GLOO_SOCKET_IFNAME={wanted}"
+    elif len(own_here) == 1:
+        (ip, iface), why = own_here[0], f"the other address of {route.main}"
+    elif len(candidates) == 1:
+        (ip, iface), why = candidates[0], "this machine's only non-loopback address"
+    elif len(default) == 1:
+        (ip, iface), why = default[0], "the default route's"
+    if ip is None:
+        have = ", ".join(f"{a} ({i})" for a, i in candidates) or "none"
+        raise UserError(
+            f"{seen}: a loopback address that the other machines cannot reach (the Debian `127.0.1.1 <name>` line "
+            f"in /etc/hosts?), and which of this machine's addresses they reach is not clear (non-loopback: {have}). "
+            f"Fix: {fix}, or set GLOO_SOCKET_IFNAME to the cluster network's interface."
+        )
+    note = (
+        f"{seen}, a loopback address the other machines cannot reach (the Debian `127.0.1.1 <name>` /etc/hosts "
+        f"line?); using {ip} ({iface}, {why}) instead. To choose, {fix}."
+    )
+    return Route(route.main, ip, ip, iface, True), note
 
 
 def network_env(route: Route, environ=None) -> tuple[dict[str, str], dict[str, str]]:

@@ -114,6 +114,9 @@ def slurm_script(
     `accel-trainer launch` returns; the script then requeues the job (`--requeue`, `scontrol requeue`) and the
     next run continues from the newest checkpoint (`--resume_from_checkpoint auto`)."""
     per = config.num_processes // config.num_machines
+    # --exclusive: the whole node (all its CPUs) for its one task. Without it SLURM allocates one CPU per task, and
+    # the node's workers and their data loader workers would share that one core. srun's step gets every CPU of
+    # the job on the node (srun uses all of them unless --exact).
     gres = "" if config.use_cpu else f"#SBATCH --gpus-per-node={per}\n"
     restarts = f" --max_restarts {max_restarts}" if max_restarts else ""
     # A fresh rendezvous store per restart round (see topology.RESTART_SAFE_ENV).
@@ -144,6 +147,7 @@ fi
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={config.num_machines}
 #SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
 {gres}#SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@{notice_s}
@@ -174,12 +178,16 @@ echo "job $SLURM_JOB_ID: the launchers exited with $rc"
 
 
 def ask(question, default, parse=str, check=None, why=""):
-    """Ask until the answer parses (and passes `check`); an empty answer takes the default."""
+    """Ask until the answer parses (and passes `check`); an empty answer takes the default (None: no default,
+    an answer is required)."""
     while True:
         try:
-            raw = input(f"{question} [{default}]: ").strip()
+            raw = input(f"{question} [{default}]: " if default is not None else f"{question}: ").strip()
         except EOFError:
             raise SystemExit("config: input ended before all questions were answered; nothing written.") from None
+        if not raw and default is None:
+            print(f"  not valid: {why or 'an answer is required'}")
+            continue
         try:
             value = parse(raw) if raw else (parse(str(default)) if not isinstance(default, bool) else default)
             if check is None or check(value):
@@ -204,6 +212,16 @@ def interactive(a, hw):
     print(f"Detected here: {gpu_line}, bf16 {'yes' if hw['bf16'] else 'no'}, {hw['cpus']} CPU cores.")
     a.machines = ask("How many machines?", a.machines or 1, int, lambda v: v >= 1, "a whole number >= 1")
     a.cpu = not ask("Use GPUs? (yes/no)", "no" if a.cpu or not hw["gpus"] else "yes", yes_no, why="yes or no")
+    if not a.cpu and not hw["gpus"] and not a.skip_device_check:
+        # The common case (a login node writing the GPU machines' config): settle it now, not after every answer.
+        a.skip_device_check = ask(
+            "No GPU is visible here. Is this config for other machines, the GPU machines? (yes: write it, and check "
+            "it there; no: use CPU processes here)",
+            "yes",
+            yes_no,
+            why="yes or no",
+        )
+        a.cpu = not a.skip_device_check
     what = "CPU processes" if a.cpu else "GPUs (processes)"
     a.per_machine = ask(
         f"How many {what} per machine?",
@@ -212,7 +230,25 @@ def interactive(a, hw):
         lambda v: v >= 1,
         "a whole number >= 1",
     )
+    if not a.cpu and 0 < hw["gpus"] < a.per_machine and not a.skip_device_check:
+        a.skip_device_check = ask(
+            f"Only {hw['gpus']} GPUs are visible here. Is this config for other machines? (yes: write it, and "
+            "check it there; no: ask again)",
+            "yes",
+            yes_no,
+            why="yes or no",
+        )
+        if not a.skip_device_check:
+            a.per_machine = ask(
+                f"How many GPUs (processes) per machine, at most {hw['gpus']}?",
+                hw["gpus"],
+                int,
+                lambda v: 1 <= v <= hw["gpus"],
+                f"a whole number 1..{hw['gpus']}",
+            )
     if a.machines > 1:
+        # Never loopback as the default here: the other machines cannot reach it (typed, it is accepted: several
+        # launches on this one machine).
         a.main_ip = ask(
             "Address of machine 0, as every machine reaches it?",
             a.main_ip or _my_address(),
@@ -264,11 +300,18 @@ def interactive(a, hw):
     return a
 
 
-def _my_address() -> str:
+def _my_address() -> str | None:
+    """This machine's address on the network, to offer as machine 0's: the host name's, unless that is loopback
+    (the Debian /etc/hosts line `127.0.1.1 <name>`), else the only non-loopback address; None (no default: the
+    answer is required) when there is none or several."""
     try:
-        return socket.gethostbyname(socket.gethostname())
+        mine = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        mine = None
+    if mine and not topology.is_loopback(mine):
+        return mine
+    found = sorted({ip for ip, _ in topology.cluster_addresses()})
+    return found[0] if len(found) == 1 else None
 
 
 def default_name(a) -> str:
@@ -423,6 +466,14 @@ def write_config(a) -> int:
         f"Check each machine first: accel-trainer check --config_file {path}"
         + (" --machine_rank <r>" if a.machines > 1 else "")
     )
+    if a.skip_device_check and not a.cpu:
+        print(
+            f"Written for other machines: nothing here was compared with their GPUs. On each, `accel-trainer check` "
+            f"confirms {a.per_machine} visible GPU(s), NCCL"
+            + (" and bf16" if a.mixed_precision == "bf16" else "")
+            + (f", and that machine 0's address {a.main_ip} is reachable" if a.machines > 1 else "")
+            + "."
+        )
     if a.slurm:
         spath = os.path.join(a.dir, f"{name}.slurm.sh")
         with open(spath, "w") as f:

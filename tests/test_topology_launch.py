@@ -451,3 +451,49 @@ def test_preemption_signal_to_the_launcher_alone_reaches_each_worker_once_and_ex
     (ckpt,) = os.listdir(out / "checkpoints")
     assert json.load(open(out / "checkpoints" / ckpt / "manifest.json"))["num_processes"] == 2
     assert not alive, alive
+
+
+def test_preemption_notice_during_set_up_is_kept_checkpointed_at_the_first_update_and_exits_75(tmp_path):
+    """SIGUSR1 while the workers still build their data (a slow tokenisation or load): the launcher ignores SIGUSR1
+    in torchrun's agent, and an ignored signal stays ignored across exec into the workers, so the notice used to
+    be dropped and the run went on to the time limit. The workers keep it from import on: training starts, every
+    rank checkpoints at the first update boundary they agree on, and the launcher exits 75 (requeue)."""
+    import psutil
+
+    out = tmp_path / "o"
+    cmd = WRAPPER + launch_cmd(2)[3:] + [FAULT_RECIPE, "--faults", "build_delay=8", "--output_dir", str(out)]
+    log = open(tmp_path / "log.txt", "w+")
+    proc = subprocess.Popen(
+        cmd + ["--max_steps", "40", "--logging_steps", "1", "--save_steps", "0", "--disable_tqdm"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    seen = {}
+    try:
+        t0 = time.monotonic()
+        while (tmp_path / "log.txt").read_text().count("builds its data") < 2:  # both ranks are in set-up
+            assert proc.poll() is None and time.monotonic() - t0 < BOUND + 60, (tmp_path / "log.txt").read_text()
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                seen[p.pid] = p
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)  # the launcher passes it on to each worker, still in build_data
+        rc = proc.wait(timeout=BOUND + 60)
+        _, alive = psutil.wait_procs(list(seen.values()), timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in seen.values():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    text = (tmp_path / "log.txt").read_text()
+    assert rc == 75, text[-3000:]
+    assert text.count("[rank 0] SIGUSR1 received") == 1 and text.count("[rank 1] SIGUSR1 received") == 1, text[-3000:]
+    assert "preempted: the workers wrote a checkpoint and stopped; exit 75" in text
+    (ckpt,) = os.listdir(out / "checkpoints")
+    assert int(ckpt.split("_")[1]) <= 2, ckpt  # the first boundary the ranks agree on, not the end of the run
+    assert not alive, alive

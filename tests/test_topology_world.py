@@ -246,3 +246,78 @@ def test_launch_plan_keeps_the_users_interface_and_host_role(tmp_path, monkeypat
     assert p.lost_after_s == 7  # machine 1 gives up on a silent machine 0 after the script's --ddp_timeout
     p = launch.plan(["--config_file", cfg, "--machine_rank", "0", "t.py"])
     assert p.cmd[p.cmd.index("--rdzv_conf") + 1].endswith(",is_host=1") and p.lost_after_s is None
+
+
+def test_launch_takes_the_machine_rank_from_a_per_machine_config_unless_the_flag_says_otherwise(tmp_path):
+    """A per-machine accelerate config (`accelerate config` writes machine_rank into it) is what accelerate launch
+    reads; `accel-trainer launch` must read it too, or machines 1..N-1 plan as machine 0 (no machine-0 watch, the
+    c10d store host role, wrong notes). The flag, when given, wins -- as in accelerate."""
+    import yaml
+
+    from accel_trainer import launch, wizard
+
+    argv = ["--dir", str(tmp_path), "--name", "two", "--no-interactive", "--machines", "2", "--cpu"]
+    assert wizard.main(argv + ["--main-ip", "127.0.0.1", "--rdzv", "c10d"]) == 0
+    cfg = tmp_path / "two.yaml"
+    data = yaml.safe_load(cfg.read_text())
+    data["machine_rank"] = 1
+    cfg.write_text(yaml.safe_dump(data))
+    p = launch.plan(["--config_file", str(cfg), "t.py", "--ddp_timeout", "7"])
+    assert p.machine_rank == 1 and p.lost_after_s == 7  # machine 1 watches machine 0
+    assert p.cmd[p.cmd.index("--rdzv_conf") + 1].endswith(",is_host=0") and "machine 1:" in p.notes[0]
+    p = launch.plan(["--config_file", str(cfg), "--machine_rank", "0", "t.py"])
+    assert p.machine_rank == 0 and p.lost_after_s is None
+    assert p.cmd[p.cmd.index("--rdzv_conf") + 1].endswith(",is_host=1")
+
+
+@pytest.fixture
+def machine0_name_is_loopback(tmp_path, monkeypatch):
+    """A 2-machine c10d config naming machine 0 `node0`, which resolves here to 127.0.1.1 (Debian's default
+    /etc/hosts line for the machine's own name), on a machine whose other address is 10.9.9.9 on eth7."""
+    import socket
+
+    from accel_trainer import wizard
+
+    real = socket.getaddrinfo
+
+    def fake(host, *a, **k):
+        return real("127.0.1.1" if host == "node0" else host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    monkeypatch.setattr(topology, "cluster_addresses", lambda: [("10.9.9.9", "eth7")])
+    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PET_LOCAL_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    argv = ["--dir", str(tmp_path), "--name", "two", "--no-interactive", "--machines", "2", "--cpu"]
+    assert wizard.main(argv + ["--main-ip", "node0", "--rdzv", "c10d"]) == 0
+    return str(tmp_path / "two.yaml")
+
+
+def test_machine_0_whose_name_resolves_to_loopback_announces_its_network_address(machine0_name_is_loopback):
+    """Not lo / 127.0.0.1: c10d would hand that to the other machines as the store address."""
+    from accel_trainer import launch
+
+    p = launch.plan(["--config_file", machine0_name_is_loopback, "--machine_rank", "0", "t.py"])
+    assert p.env["PET_LOCAL_ADDR"] == "10.9.9.9" and p.env["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert p.env["NCCL_SOCKET_IFNAME"] == "=eth7"
+    assert p.cmd[p.cmd.index("--rdzv_conf") + 1].endswith(",is_host=1")  # machine 0 hosts the store
+    said = "\n".join(p.notes)
+    assert "'node0' resolves to 127.0.1.1" in said and "using 10.9.9.9 (eth7" in said, said
+
+
+def test_machine_0_loopback_name_with_several_candidate_addresses_is_refused(machine0_name_is_loopback, monkeypatch):
+    from accel_trainer import launch
+
+    monkeypatch.setattr(topology, "cluster_addresses", lambda: [("10.9.9.9", "eth7"), ("10.8.8.8", "eth8")])
+    monkeypatch.setattr(topology, "_default_route_interface", lambda: None)
+    with pytest.raises(UserError, match=r"resolves to 127\.0\.1\.1 .* 10\.9\.9\.9 \(eth7\), 10\.8\.8\.8 \(eth8\)"):
+        launch.plan(["--config_file", machine0_name_is_loopback, "--machine_rank", "0", "t.py"])
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth8")  # the user's choice settles it
+    p = launch.plan(["--config_file", machine0_name_is_loopback, "--machine_rank", "0", "t.py"])
+    assert p.env["PET_LOCAL_ADDR"] == "10.8.8.8"
+
+
+def test_other_machine_whose_name_for_machine_0_resolves_to_loopback_is_refused(machine0_name_is_loopback):
+    from accel_trainer import launch
+
+    with pytest.raises(UserError, match="a loopback address, this machine itself, not machine 0"):
+        launch.plan(["--config_file", machine0_name_is_loopback, "--machine_rank", "1", "t.py"])
