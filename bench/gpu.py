@@ -41,7 +41,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+from harness import ROOT
+
 ROWS = ("cifar_5_seeds", "bf16", "fp16", "fp8", "torch_compile", "overhead", "peak_memory")
 NEEDS_CUDA = "skipped: needs CUDA"
 TINY_CIFAR = ["--widths", "8,16,16", "--batch_size", "40", "--eval_batch_size", "30", "--num_train_epochs", "2"]
@@ -60,20 +62,10 @@ class Suite:
         self.logs = os.path.join(self.out, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.rows: dict[str, dict] = {}
-        self.env = dict(os.environ)
-        self.env.update(
-            HF_HUB_OFFLINE="1",
-            HF_DATASETS_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-            ACCELERATE_DISABLE_RICH="1",
-            PYTHONUNBUFFERED="1",
-            PYTHONPATH=ROOT + os.pathsep + self.env.get("PYTHONPATH", ""),
-        )
-        self.env.pop("WORLD_SIZE", None)
-        if not self.gpu:
-            self.env["OMP_NUM_THREADS"] = "1"  # the reduced mode is about paths, not speed: be light on a shared CPU
-            self.env["CUDA_VISIBLE_DEVICES"] = ""  # --cpu on a GPU machine means the CPU
+        if self.gpu:
+            self.env = harness.child_env(threads=None)
+        else:  # the reduced mode is about paths, not speed: one thread, light on a shared CPU
+            self.env = harness.child_env(threads=1, CUDA_VISIBLE_DEVICES="")  # --cpu on a GPU machine: the CPU
 
     def sh(self, name: str, cmd: list[str], timeout: float | None = None) -> str:
         """Run a command; its output goes to logs/<name>.log. A non-zero exit raises CheckFailed with its last line."""

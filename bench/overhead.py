@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import torch
+from harness import hand_written_loop
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -42,22 +43,17 @@ def linear_decay(opt, total):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total))
 
 
+def cross_entropy(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
 def plain(steps: int) -> float:
     model, data = make_model(), make_data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    sched = linear_decay(opt, steps)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True)
-    done, t0 = 0, time.perf_counter()
-    while done < steps:
-        for x, y in loader:
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            done += 1
-            if done == steps:
-                break
+    t0 = time.perf_counter()
+    hand_written_loop(model, loader, cross_entropy, opt, linear_decay(opt, steps), steps)
     return (time.perf_counter() - t0) / steps
 
 
@@ -70,17 +66,8 @@ def bare_accelerate(steps: int) -> float:
     model, opt, sched, loader = acc.prepare(
         model, opt, linear_decay(opt, steps), DataLoader(data, batch_size=BATCH, shuffle=True)
     )
-    done, t0 = 0, time.perf_counter()
-    while done < steps:
-        for x, y in loader:
-            loss = nn.functional.cross_entropy(model(x), y)
-            acc.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            done += 1
-            if done == steps:
-                break
+    t0 = time.perf_counter()
+    hand_written_loop(model, loader, cross_entropy, opt, sched, steps, backward=acc.backward)
     return (time.perf_counter() - t0) / steps
 
 
