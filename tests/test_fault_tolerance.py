@@ -13,6 +13,7 @@ Every process tree started here is killed in a finally block.
 import json
 import os
 import signal
+import subprocess
 import time
 
 import psutil
