@@ -160,7 +160,10 @@ def hand_written_loop(model, loader, loss_fn, optimizer, scheduler, steps: int, 
     while step < steps:
         for batch in loader:
             loss = loss_fn(model, batch)
-            backward(loss) if backward else loss.backward()
+            if backward:
+                backward(loss)
+            else:
+                loss.backward()
             if max_grad_norm:
                 clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
