@@ -35,6 +35,10 @@ from accel_trainer.faults import EXIT_PREEMPTED
 _PREEMPTED = re.compile(rf"exiting with code {EXIT_PREEMPTED}\b|exitcode\s*:\s*{EXIT_PREEMPTED}\b")
 _RECEIVED = re.compile(r"\[rank (\d+)\] (SIGUSR1|SIGTERM) received")
 FORWARD_GRACE_S = 2.0  # a signal sent to every process of a job step reaches the workers directly within this
+# After machine 0 is declared lost and this machine's workers are ended, torchrun's agent gets this long to exit by
+# itself, then SIGTERM, then SIGKILL after as long again: under c10d it otherwise waits on the rendezvous store on
+# the unreachable machine 0 (each store operation bounded by read_timeout, and retried) for many minutes.
+AGENT_GRACE_S = 10.0
 
 
 def diagnose(output: str, config=None, machine_rank: int = 0) -> str:
@@ -119,6 +123,7 @@ class Plan:
     route: topology.Route | None = None  # machines > 1: how this machine reaches machine 0
     main_port: int = topology.DEFAULT_PORT
     lost_after_s: float | None = None  # machines 1..N-1: stop when machine 0 stops answering for this long
+    rdzv_timeout_s: float = topology.DEFAULT_RDZV_TIMEOUT_S  # how long the rendezvous may wait for the machines
 
 
 def _refuse(msg: str):
@@ -183,7 +188,24 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
         env.setdefault(topology.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see topology.py)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *argv[:at], *extra, *argv[at:]]
     lost_after = _ddp_timeout(argv[at + 1 :]) if machines > 1 and rank > 0 and route is not None else None
-    return Plan(cmd, env, config, machines, rank, int(args.max_restarts or 0), notes, route, port, lost_after)
+    rdzv_wait = _rdzv_timeout(cmd, rdzv_timeout_s)
+    return Plan(
+        cmd, env, config, machines, rank, int(args.max_restarts or 0), notes, route, port, lost_after, rdzv_wait
+    )
+
+
+def _rdzv_timeout(cmd: list[str], default: float) -> float:
+    """The rendezvous wait in the command's --rdzv_conf (c10d join_timeout, static timeout), else `default`."""
+    conf = next((cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == "--rdzv_conf"), "")
+    conf = next((a.split("=", 1)[1] for a in cmd if a.startswith("--rdzv_conf=")), conf)
+    for item in conf.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() in ("join_timeout", "timeout"):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    return float(default)
 
 
 def _ddp_timeout(script_args: list[str]) -> float:
@@ -248,6 +270,8 @@ def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_
             flush=True,
         )
         return EXIT_PREEMPTED
+    if run.lost and rc < 0:  # the agent ended by the launcher (a signal) after the loss: exit 1, not -15
+        rc = 1
     if rc != 0:
         why = diagnose(output, p.config, p.machine_rank)
         if run.lost:
@@ -278,6 +302,7 @@ class _MachineZeroWatch:
 
         self.route, self.port, self.after = p.route, p.main_port, p.lost_after_s
         self.silent_since: float | None = None
+        self.named = False  # this silence was declared a loss (once per silence)
         self.why = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -303,13 +328,17 @@ class _MachineZeroWatch:
         while not self._stop.is_set():
             ok, why = self._answer()
             if ok:
-                self.silent_since = None
+                self.silent_since, self.named = None, False
             elif self.silent_since is None:
                 self.silent_since, self.why = time.monotonic(), why
             self._stop.wait(self.PROBE_S)
 
     def lost(self) -> bool:
-        return self.silent_since is not None and time.monotonic() - self.silent_since >= self.after
+        silent = self.silent_since
+        return not self.named and silent is not None and time.monotonic() - silent >= self.after
+
+    def silent(self) -> bool:
+        return self.silent_since is not None
 
     def stop(self):
         self._stop.set()
@@ -339,6 +368,9 @@ class _Run:
         self.previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
         self.watch = _MachineZeroWatch(p) if p.lost_after_s is not None else None
         self.lost = None  # why machine 0 was declared lost
+        self.workers_ended_at = 0.0  # when _machine_zero_lost ended this machine's workers
+        self.end_agent_at: float | None = None  # when to end torchrun's agent after a loss (see AGENT_GRACE_S)
+        self.agent_termed_at: float | None = None
 
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
@@ -410,6 +442,7 @@ class _Run:
                 self._stop_restarts()
                 if self.watch is not None and self.watch.lost():
                     self._machine_zero_lost()
+                self._end_agent_if_stuck()
             rc = self.proc.wait()
         except KeyboardInterrupt:  # the terminal sent SIGINT to the launcher too; give it a bounded time to stop
             try:
@@ -431,9 +464,49 @@ class _Run:
             f"{w.after:g})"
         )
         os.write(2, f"accel-trainer launch: {self.lost}; ending this machine's workers\n".encode())
-        w.silent_since = None  # once per silence: with --max_restarts the agent may rejoin when it answers again
+        w.named = True  # once per silence: with --max_restarts the agent may rejoin when it answers again
         for _, p in self._workers():
             try:
                 p.kill()
             except Exception:  # noqa: BLE001 - it exited meanwhile
+                pass
+        # Then the agent must exit too. With c10d and --max_restarts it may rejoin when machine 0 answers again:
+        # it gets the rendezvous timeout for that first.
+        wait = AGENT_GRACE_S
+        if self.plan.max_restarts:
+            wait += self.plan.rdzv_timeout_s
+        self.workers_ended_at = time.monotonic()
+        self.end_agent_at = self.workers_ended_at + wait
+
+    def _end_agent_if_stuck(self):
+        """After a loss: end torchrun's agent once its time is up (SIGTERM, then SIGKILL), and whatever it left."""
+        now = time.monotonic()
+        if self.end_agent_at is None or now < self.end_agent_at or self.proc.poll() is not None:
+            return
+        if self.plan.max_restarts and not self.watch.silent():  # machine 0 answers again: the agent rejoins
+            self.end_agent_at = None
+            return
+        if self.agent_termed_at is None:
+            self.agent_termed_at = now
+            os.write(
+                2,
+                f"accel-trainer launch: torchrun's agent still runs {now - self.workers_ended_at:.0f} s after this "
+                "machine's workers ended (it waits on machine 0, where the rendezvous store is); ending it\n".encode(),
+            )
+            self._signal_tree(signal.SIGTERM)
+        elif now - self.agent_termed_at >= AGENT_GRACE_S:
+            self._signal_tree(signal.SIGKILL)
+
+    def _signal_tree(self, sig):
+        """`sig` to the agent and to every process under it (a worker's own children would keep the output open)."""
+        import psutil
+
+        try:
+            procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
                 pass
