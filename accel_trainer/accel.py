@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,23 @@ def launched_world_size() -> int:
     """The world size the launcher (accelerate launch / torchrun / SLURM+torchrun) announced; 1 without one."""
     world = launched_world()
     return world.num_processes if world else 1
+
+
+# What NCCL's watchdog does when a collective fails or times out (--ddp_timeout). torch's default, 3 (SkipCleanUp),
+# ends the process from the watchdog thread: the main thread never sees an exception, so the Trainer cannot name
+# the rank that stopped answering (faults.describe_peer_failure, which gloo reaches). 2 (CleanUpOnly) aborts the
+# communicators, which ends the NCCL kernels still waiting, and leaves the process alive: the failure reaches the
+# main thread as an exception at its next use of the group, and the Trainer names the rank on its gloo side group,
+# then exits 1. Read when the NCCL process group is created. Not yet run on a GPU (docs/fault-tolerance.md).
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def nccl_error_handling(environ=None):
+    """Set NCCL_ERROR_HANDLING unless the user chose a value (under either of torch's names for it)."""
+    environ = os.environ if environ is None else environ
+    name, value = NCCL_ERROR_HANDLING
+    if not environ.get(name) and not environ.get("NCCL_ASYNC_ERROR_HANDLING"):
+        environ[name] = value
 
 
 def build_accelerator(args: TrainingArguments) -> Accelerator:
@@ -71,6 +89,7 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
     # (the process group, in PartialState, stays).
     AcceleratorState._reset_state()
     GradientState._reset_state()
+    nccl_error_handling()  # before the process group exists (Accelerator creates it)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=args.mixed_precision,  # None: ACCELERATE_MIXED_PRECISION from the launcher/config

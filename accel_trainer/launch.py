@@ -368,6 +368,7 @@ class _Run:
         self.previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
         self.watch = _MachineZeroWatch(p) if p.lost_after_s is not None else None
         self.lost = None  # why machine 0 was declared lost
+        self.workers_ended_at = 0.0  # when _machine_zero_lost ended this machine's workers
         self.end_agent_at: float | None = None  # when to end torchrun's agent after a loss (see AGENT_GRACE_S)
         self.agent_termed_at: float | None = None
 

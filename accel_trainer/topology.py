@@ -274,7 +274,8 @@ def process_group_kwargs(timeout_s: float):
     """Accelerate kwargs handler bounding process-group setup and every collective to `timeout_s` seconds.
 
     With gloo a collective that waits on a dead peer raises after this timeout; with NCCL the watchdog aborts
-    the communicator after it (TORCH_NCCL_ASYNC_ERROR_HANDLING is on by default in torch >= 2.2).
+    the communicator after it and, with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (accel.nccl_error_handling), the next
+    use of the group raises (torch's default, 3, ends the process from the watchdog instead).
     """
     from accelerate.utils import InitProcessGroupKwargs
 
