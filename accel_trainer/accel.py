@@ -19,7 +19,7 @@ from accelerate.utils import (
 from . import precision, sharding
 from .args import TrainingArguments
 from .errors import UserError
-from .topology import launched_world
+from .world import launched_world_size
 
 _COMM_HOOKS = {
     "none": DDPCommunicationHookType.NO,
@@ -28,12 +28,6 @@ _COMM_HOOKS = {
     "power_sgd": DDPCommunicationHookType.POWER_SGD,
     "batched_power_sgd": DDPCommunicationHookType.BATCHED_POWER_SGD,
 }
-
-
-def launched_world_size() -> int:
-    """The world size the launcher (accelerate launch / torchrun / SLURM+torchrun) announced; 1 without one."""
-    world = launched_world()
-    return world.num_processes if world else 1
 
 
 # What NCCL's watchdog does when a collective fails or times out (--ddp_timeout). torch's default, 3 (SkipCleanUp),
@@ -51,6 +45,18 @@ def nccl_error_handling(environ=None):
     name, value = NCCL_ERROR_HANDLING
     if not environ.get(name) and not environ.get("NCCL_ASYNC_ERROR_HANDLING"):
         environ[name] = value
+
+
+def process_group_kwargs(timeout_s: float):
+    """Accelerate kwargs handler bounding process-group setup and every collective to `timeout_s` seconds.
+
+    With gloo a collective that waits on a dead peer raises after this timeout; with NCCL the watchdog aborts
+    the communicator after it and, with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (accel.nccl_error_handling), the next
+    use of the group raises (torch's default, 3, ends the process from the watchdog instead).
+    """
+    if not timeout_s or timeout_s <= 0:
+        raise ValueError(f"The process-group timeout must be a positive number of seconds, got {timeout_s!r}.")
+    return InitProcessGroupKwargs(timeout=timedelta(seconds=float(timeout_s)))
 
 
 def build_accelerator(args: TrainingArguments) -> Accelerator:
@@ -81,7 +87,7 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         ddp.comm_state_option = {"matrix_approximation_rank": args.powersgd_rank}
     handlers = [
         ddp,
-        InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),
+        process_group_kwargs(args.ddp_timeout),  # process-group set-up and every collective
         GradScalerKwargs(),  # dynamic loss scaling with torch's defaults; only used under fp16
     ]
     # Accelerate keeps its state in process-wide singletons: a second Trainer in the same notebook or test

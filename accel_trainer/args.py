@@ -13,6 +13,8 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple
 
+from .world import launched_world_size
+
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
@@ -434,7 +436,6 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
     the user set (`ctx.given`) and leaves them alone. Returns ResolvedArgs(targs, recipe args or None, given).
     A bad flag exits 2 (argparse); a bad keyword raises ArgumentError naming it.
     """
-    from .accel import launched_world_size
     from .recipe import RecipeContext, load_recipe
 
     recipe = load_recipe(recipe)

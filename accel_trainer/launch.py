@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from accel_trainer import faults, sharding, topology
+from accel_trainer import cluster_config, faults, network, sharding, world
 from accel_trainer.errors import UserError
 from accel_trainer.faults import EXIT_PREEMPTED
 
@@ -120,23 +120,23 @@ class Plan:
     machine_rank: int = 0
     max_restarts: int = 0
     notes: list[str] = field(default_factory=list)
-    route: topology.Route | None = None  # machines > 1: how this machine reaches machine 0
-    main_port: int = topology.DEFAULT_PORT
+    route: network.Route | None = None  # machines > 1: how this machine reaches machine 0
+    main_port: int = network.DEFAULT_PORT
     lost_after_s: float | None = None  # machines 1..N-1: stop when machine 0 stops answering for this long
-    rdzv_timeout_s: float = topology.DEFAULT_RDZV_TIMEOUT_S  # how long the rendezvous may wait for the machines
+    rdzv_timeout_s: float = cluster_config.DEFAULT_RDZV_TIMEOUT_S  # how long the rendezvous may wait for the machines
 
 
 def _refuse(msg: str):
     raise UserError(msg)
 
 
-def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S) -> Plan:
+def plan(argv: list[str], rdzv_timeout_s: int = cluster_config.DEFAULT_RDZV_TIMEOUT_S) -> Plan:
     """The `accelerate launch` command and environment for `argv` on this machine; UserError when it would fail."""
     from accelerate.commands.launch import launch_command_parser
 
     args, _ = launch_command_parser().parse_known_args(argv)
-    config = topology.load_config(args.config_file) if args.config_file else None
-    problems = topology.validate_config(config) if config is not None else []
+    config = cluster_config.load_config(args.config_file) if args.config_file else None
+    problems = cluster_config.validate_config(config) if config is not None else []
     problems += sharding.launch_problems(args, config)  # --use_deepspeed; --cpu with an FSDP config
     if problems:
         _refuse(
@@ -148,13 +148,11 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
     machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)
     # The flag wins, else the config's (a per-machine config from `accelerate config` holds it), as in accelerate.
     rank = int(args.machine_rank if args.machine_rank is not None else getattr(config, "machine_rank", 0) or 0)
-    if machines > 1 and not 0 <= rank < machines:
-        _refuse(
-            f"--machine_rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}); "
-            "give each machine its own rank."
-        )
+    problem = world.machine_rank_problem(rank, machines) if machines > 1 else None
+    if problem:
+        _refuse(f"{problem}; give each machine its own rank.")
     host = args.main_process_ip or getattr(config, "main_process_ip", None)
-    port = int(args.main_process_port or getattr(config, "main_process_port", None) or topology.DEFAULT_PORT)
+    port = int(args.main_process_port or getattr(config, "main_process_port", None) or network.DEFAULT_PORT)
     backend = args.rdzv_backend if "--rdzv_backend" in given else getattr(config, "rdzv_backend", None) or "static"
     if config is not None:  # for the diagnosis: the address, port and backend this launch really uses
         config.main_process_ip, config.main_process_port, config.rdzv_backend = host, port, backend
@@ -162,11 +160,11 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
     if machines > 1 and host:
         # Fails at once on a name that does not resolve or an address without a route, instead of after the
         # rendezvous timeout.
-        route = topology.route_to(host, port)
-        route, fixed = topology.loopback_route(route, rank, env)  # machine 0's name resolving to 127.0.1.1
+        route = network.route_to(host, port)
+        route, fixed = network.loopback_route(route, rank, env)  # machine 0's name resolving to 127.0.1.1
         if fixed:
             notes.append(fixed)
-        new, kept = topology.network_env(route, env)
+        new, kept = network.network_env(route, env)
         env.update(new)
         notes.append(
             f"machine {rank}: {route.describe()}; "
@@ -176,8 +174,8 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
     if machines > 1:
         if "--rdzv_backend" not in given:
             extra += ["--rdzv_backend", backend]
-        conf = args.rdzv_conf if "--rdzv_conf" in given else topology.rdzv_conf(backend, rdzv_timeout_s)
-        conf = topology.host_role(conf or "", backend, rank, route)
+        conf = args.rdzv_conf if "--rdzv_conf" in given else cluster_config.rdzv_conf(backend, rdzv_timeout_s)
+        conf = network.host_role(conf or "", backend, rank, route)
         if "--rdzv_conf" in given:  # the user's value, with the host role added when they did not set it
             argv = _replace_flag(argv[:at], "--rdzv_conf", conf) + argv[at:]
             at = argv.index(args.training_script)
@@ -185,7 +183,7 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
             extra += ["--rdzv_conf", conf]
     env[faults.LAUNCHED_ENV] = "1"  # the workers keep a SIGUSR1 during set-up (faults.keep_early_preemption)
     if args.max_restarts and backend == "c10d":
-        env.setdefault(topology.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see topology.py)
+        env.setdefault(cluster_config.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see cluster_config.py)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *argv[:at], *extra, *argv[at:]]
     lost_after = _ddp_timeout(argv[at + 1 :]) if machines > 1 and rank > 0 and route is not None else None
     rdzv_wait = _rdzv_timeout(cmd, rdzv_timeout_s)
@@ -239,7 +237,7 @@ def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
-def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S) -> int:
+def launch(argv: list[str], rdzv_timeout_s: int = cluster_config.DEFAULT_RDZV_TIMEOUT_S) -> int:
     """Run `accelerate launch <argv>` as planned (see the module docstring). Output is passed through unchanged
     (progress bars included). Exit code: the launcher's, 75 when the workers stopped for a preemption."""
     if not argv or argv[0] in ("-h", "--help"):

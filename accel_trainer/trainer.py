@@ -256,9 +256,9 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------- set-up
     def _check_world(self):
-        # The world this process joined must be the one the launcher/config describe (topology.py): it catches
+        # The world this process joined must be the one the launcher/config describe (world.py): it catches
         # every process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
-        from .topology import check_world
+        from .world import check_world
 
         check_world(self.accelerator)
 

@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 
-from accel_trainer import topology
+from accel_trainer import cluster_config, network
 from accel_trainer.faults import EXIT_PREEMPTED
 
 MIXED = ("no", "bf16", "fp16")
@@ -119,13 +119,15 @@ def slurm_script(
     # the job on the node (srun uses all of them unless --exact).
     gres = "" if config.use_cpu else f"#SBATCH --gpus-per-node={per}\n"
     restarts = f" --max_restarts {max_restarts}" if max_restarts else ""
-    # A fresh rendezvous store per restart round (see topology.RESTART_SAFE_ENV).
-    restart_env = f"export {topology.RESTART_SAFE_ENV}=1\n" if max_restarts and config.rdzv_backend == "c10d" else ""
+    # A fresh rendezvous store per restart round (see cluster_config.RESTART_SAFE_ENV).
+    restart_env = (
+        f"export {cluster_config.RESTART_SAFE_ENV}=1\n" if max_restarts and config.rdzv_backend == "c10d" else ""
+    )
     rdzv = ""
     if config.num_machines > 1:
         rdzv = (
             f" \\\n    --rdzv_backend {config.rdzv_backend} "
-            f"--rdzv_conf {topology.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}"
+            f"--rdzv_conf {cluster_config.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}"
         )
     requeue_line = "#SBATCH --requeue\n" if requeue else ""
     # Preempted: a launcher said 75, or the notice came and the run did not finish (with several nodes, srun's
@@ -157,7 +159,7 @@ fi
 # from the newest checkpoint (--resume_from_checkpoint auto). docs/topology.md, "Tested under SLURM".
 set -uo pipefail
 export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MAIN_PORT={config.main_process_port or topology.DEFAULT_PORT}
+export MAIN_PORT={config.main_process_port or network.DEFAULT_PORT}
 {restart_env}echo "job $SLURM_JOB_ID start (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST"
 SRUN= NOTICE=
 trap 'NOTICE=1; echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
@@ -258,7 +260,7 @@ def interactive(a, hw):
         )
         a.main_port = ask(
             "Port on machine 0 for the rendezvous?",
-            a.main_port or topology.DEFAULT_PORT,
+            a.main_port or network.DEFAULT_PORT,
             int,
             lambda v: 1 <= v <= 65535,
             "a port number 1..65535",
@@ -308,9 +310,9 @@ def _my_address() -> str | None:
         mine = socket.gethostbyname(socket.gethostname())
     except OSError:
         mine = None
-    if mine and not topology.is_loopback(mine):
+    if mine and not network.is_loopback(mine):
         return mine
-    found = sorted({ip for ip, _ in topology.cluster_addresses()})
+    found = sorted({ip for ip, _ in network.cluster_addresses()})
     return found[0] if len(found) == 1 else None
 
 
@@ -342,12 +344,12 @@ def add_arguments(p: argparse.ArgumentParser):
     )
     p.add_argument("--cpu", action="store_true", help="CPU processes (gloo) instead of GPUs")
     p.add_argument("--main-ip", help="address of machine 0 as all machines reach it (several machines)")
-    p.add_argument("--main-port", type=int, help=f"rendezvous port on machine 0 (default {topology.DEFAULT_PORT})")
+    p.add_argument("--main-port", type=int, help=f"rendezvous port on machine 0 (default {network.DEFAULT_PORT})")
     p.add_argument("--rdzv", choices=("static", "c10d"), default=None, help="rendezvous backend (default static)")
     p.add_argument(
         "--rdzv-timeout",
         type=int,
-        default=topology.DEFAULT_RDZV_TIMEOUT_S,
+        default=cluster_config.DEFAULT_RDZV_TIMEOUT_S,
         help="seconds to wait for all machines to join (goes on the launch line)",
     )
     p.add_argument("--max-restarts", type=int, default=0, help="worker restarts after a failure (c10d)")
@@ -407,7 +409,7 @@ def write_config(a) -> int:
     if a.mixed_precision is None:
         a.mixed_precision = "bf16" if hw["bf16"] and not a.cpu else "no"
     if a.machines > 1 and a.main_port is None:
-        a.main_port = topology.DEFAULT_PORT
+        a.main_port = network.DEFAULT_PORT
     if a.machines > 1 and not a.main_ip:
         return _refuse(
             [
@@ -436,7 +438,7 @@ def write_config(a) -> int:
         a.sharding,
         a.zero_stage,
     )
-    problems = topology.validate_config(config, None if a.skip_device_check else hw["gpus"])
+    problems = cluster_config.validate_config(config, None if a.skip_device_check else hw["gpus"])
     if not a.cpu and a.mixed_precision == "bf16" and hw["gpus"] and not hw["bf16"] and not a.skip_device_check:
         problems.append(f"bf16 is not supported by the detected {hw['gpu_name']}; use fp16 or no.")
     if problems:
@@ -451,12 +453,12 @@ def write_config(a) -> int:
     load_config_from_file(path)  # what `accelerate launch` will read; fails loudly if it cannot
 
     print(f"Wrote {path}")
-    print("  " + topology.describe(config).replace("\n", "\n  "))
+    print("  " + cluster_config.describe(config).replace("\n", "\n  "))
     print("Launch (the same file on every machine; only --machine_rank differs):")
     restarts = a.max_restarts if a.rdzv == "c10d" else 0
     shown = range(a.machines) if a.machines <= 4 else (0, 1, a.machines - 1)
     for r in shown:
-        cmd = topology.launch_command(path, config, r, a.script, a.rdzv_timeout, restarts)
+        cmd = cluster_config.launch_command(path, config, r, a.script, a.rdzv_timeout, restarts)
         print(f"  machine {r}: {cmd}")
     if a.machines > 4:
         print(f"  (machines 2..{a.machines - 2}: the same with their own --machine_rank)")

@@ -21,8 +21,8 @@ import pytest
 from helpers import env, flags, last_step, launch_cmd
 from procs import Launch
 
+from accel_trainer.cluster_config import RESTART_SAFE_ENV
 from accel_trainer.faults import EXIT_PREEMPTED
-from accel_trainer.topology import RESTART_SAFE_ENV
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_recipe.py")
 # 256 samples, batch 16: 16 updates per epoch on 1 process, 8 per rank on 2. Dropout and masked targets make every

@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, assert_same_weights, env, free_port, launch_cmd, weights
 
 from accel_trainer import wizard
-from accel_trainer.topology import RESTART_SAFE_ENV, rdzv_flags
+from accel_trainer.cluster_config import RESTART_SAFE_ENV, rdzv_flags
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 STEPS, PER_DEVICE = 4, 8  # global batch 16: 2 machines x 1 process x 8, or 1 process x 16
@@ -150,7 +150,8 @@ def test_two_machines_on_loopback_train_like_one_process(tmp_path, rdzv, one_pro
 FAIL_ONCE = textwrap.dedent("""
     import os, sys, time, torch
     from accelerate import Accelerator
-    from accel_trainer.topology import check_world, process_group_kwargs
+    from accel_trainer.world import check_world
+    from accel_trainer.accel import process_group_kwargs
     marker = sys.argv[1]
     first_round = not os.path.exists(marker)  # read before the barrier, so both ranks agree
     acc = Accelerator(cpu=True, kwargs_handlers=[process_group_kwargs(30)])
@@ -331,7 +332,7 @@ def test_launch_that_runs_one_process_instead_of_two_is_stopped(tmp_path, how):
 
 NAIVE = textwrap.dedent("""
     from accelerate import Accelerator
-    from accel_trainer.topology import check_world
+    from accel_trainer.world import check_world
     check_world(Accelerator())  # no cpu=True on a machine without CUDA
     print("TRAINED ALONE", flush=True)
 """)

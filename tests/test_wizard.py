@@ -250,10 +250,10 @@ def test_interactive_without_gpus_for_this_machine_switches_to_cpu_processes(tmp
 def test_machine_0_default_address_is_never_loopback(hostname_ip, interfaces, offered, monkeypatch):
     import socket
 
-    from accel_trainer import topology
+    from accel_trainer import network
 
     monkeypatch.setattr(socket, "gethostbyname", lambda name: hostname_ip)
-    monkeypatch.setattr(topology, "cluster_addresses", lambda: interfaces)
+    monkeypatch.setattr(network, "cluster_addresses", lambda: interfaces)
     assert wizard._my_address() == offered
 
 
