@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import UserError
+
 # CPU instruction sets with bf16 arithmetic, as torch.cpu.get_capabilities() names them: x86 AVX512-BF16 (Cooper
 # Lake, Zen 4 and newer) and AMX-BF16 (Sapphire Rapids and newer); Arm's BF16 extension (Neoverse V1/N2, Graviton3).
 # An AVX512 CPU without them (Skylake, Ice Lake) passes oneDNN's own check, which counts emulated bf16: not fast.
@@ -53,3 +55,41 @@ def fast_mixed_precision(device) -> str:
     if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (7, 0):
         return "fp16"
     return "no"
+
+
+# --------------------------------------------------------------------------------------------------------- fp8
+def _is_fp8_linear(module) -> bool:
+    """A linear layer an fp8 backend put in place of an nn.Linear: torchao's Float8Linear, MS-AMP's FP8Linear,
+    TransformerEngine's Linear / LayerNormLinear / LayerNormMLP / GroupedLinear. By class, so that no backend
+    has to be importable to ask."""
+    cls = type(module)
+    name = cls.__name__.lower()
+    if "float8" in name or "fp8" in name:
+        return True
+    return cls.__module__.startswith("transformer_engine") and ("linear" in name or name == "layernormmlp")
+
+
+def fp8_layers(model) -> dict:
+    """How many of the model's linear layers run in fp8: {"converted": n, "linear": all linear layers}."""
+    converted = linear = 0
+    for module in model.modules():
+        fp8 = _is_fp8_linear(module)
+        converted += fp8
+        linear += fp8 or isinstance(module, torch.nn.Linear)
+    return {"converted": converted, "linear": linear}
+
+
+def check_fp8_layers(model, backend: str) -> dict:
+    """After Accelerate's prepare() under --mixed_precision fp8: the count of fp8 layers, or a UserError when there
+    are none. Accelerate converts only nn.Linear layers with in and out features divisible by 16, and torchao also
+    keeps the first and last in bf16: on other models the run would silently be bf16 (measured on the CIFAR net,
+    whose only Linear is 256 -> 10; GPT-2's Conv1D layers are not nn.Linear either)."""
+    counts = {**fp8_layers(model), "backend": backend}
+    if counts["converted"] == 0:
+        raise UserError(
+            f"--mixed_precision fp8: the fp8 backend ({backend}) converted none of this model's {counts['linear']} "
+            "Linear layers, so the run would train in bf16 under an fp8 label. Backends convert nn.Linear layers "
+            "whose in and out features are multiples of 16 (torchao keeps the first and last in bf16). Use "
+            "--mixed_precision bf16, or a model with such layers."
+        )
+    return counts

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import faults, sharding
+from . import faults, precision, sharding
 from .accel import build_accelerator
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
@@ -199,6 +199,12 @@ class Trainer:
             acc, model, optimizer, scheduler, wrap=r.fsdp_wrap
         )
         self.sharded = acc.distributed_type == DistributedType.FSDP
+        # fp8 converts only some layers: counted, written to run_config.json, and refused when there are none.
+        self.fp8_layers = None
+        if acc.mixed_precision == "fp8":
+            self.fp8_layers = precision.check_fp8_layers(self.model, str(acc.fp8_backend.value))
+            c = self.fp8_layers
+            self.reporter.print(f"fp8: {c['converted']} of {c['linear']} Linear layers converted ({c['backend']}).")
         # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
         self.ema = (
             AveragedModel(self.unwrapped_model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True)
@@ -381,6 +387,7 @@ class Trainer:
                 "args": self.args.to_dict(),
                 "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
                 "topology": topology(self.accelerator),
+                "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
                 # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
                 "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer),
                 "versions": library_versions(),

@@ -96,3 +96,29 @@ def test_fp8_is_refused_without_fp8_tensor_cores(monkeypatch, tmp_path):
     fake_gpu(monkeypatch, (8, 0))  # an A100: bf16, no fp8
     with pytest.raises(UserError, match="compute capability >= 8.9"):
         build_accelerator(TrainingArguments(output_dir=str(tmp_path), mixed_precision="fp8"))
+
+
+# ------------------------------------------------------------------------------------ fp8: which layers converted
+class Float8Linear(torch.nn.Linear):
+    """Stands for torchao's class of that name (what Accelerate's AO backend puts in place of an nn.Linear)."""
+
+
+class TELinear(torch.nn.Module):
+    """Stands for transformer_engine.pytorch.Linear (not an nn.Linear subclass)."""
+
+
+TELinear.__name__, TELinear.__module__ = "Linear", "transformer_engine.pytorch.module.linear"
+
+
+def test_fp8_layers_are_counted_and_a_model_without_any_is_refused():
+    from accel_trainer import UserError
+
+    net = cifar.CifarNet((16, 64, 128))  # its one Linear, 128 -> 10, is one no backend converts
+    with pytest.raises(UserError, match="converted none of this model's 1 Linear layers"):
+        precision.check_fp8_layers(net, "AO")
+    ao = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), Float8Linear(32, 32), Float8Linear(32, 32), torch.nn.Linear(32, 4)
+    )
+    assert precision.check_fp8_layers(ao, "AO") == {"converted": 2, "linear": 4, "backend": "AO"}
+    te = torch.nn.Sequential(TELinear(), TELinear(), torch.nn.Linear(32, 10), torch.nn.LayerNorm(4))
+    assert precision.fp8_layers(te) == {"converted": 2, "linear": 3}

@@ -141,6 +141,28 @@ def make_tiny_gpt2(folder: str, texts=None, weights: bool = True) -> str:
     return folder
 
 
+def make_tiny_llama(folder: str, texts=None, width: int = 256, layers: int = 2) -> str:
+    """A Llama config (random init by the recipe) + byte-level BPE tokenizer saved in `folder`, for fp8: every
+    projection is an nn.Linear whose features are multiples of 16 (width, 2 x width), which is what Accelerate's
+    fp8 backends convert. GPT-2's projections are Conv1D, which they leave alone."""
+    from transformers import LlamaConfig
+
+    tokenizer = _train_tokenizer(texts or sentences(300), "gpt2")
+    LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=width // 64,
+        num_key_value_heads=width // 64,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 # ------------------------------------------------------------------------------------------------- datasets
 def make_glue_folder(folder: str, n_train: int = 64, n_eval: int = 13, seed: int = 0) -> str:
     """A GLUE-MRPC-shaped dataset folder in Hub layout (like ../shared/data/glue): config `mrpc`, parquet
