@@ -16,13 +16,41 @@ Faults are injected in tests through the Trainer's named events (tests/fault_rec
 from __future__ import annotations
 
 import os
+import re
 import signal
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 
 from .errors import UserError
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h; documented in docs/fault-tolerance.md
+
+
+# --- What the workers print that `accel-trainer launch` reads (launch.py), written and parsed here only ----------
+def received_line(signal_name: str, what: str) -> bytes:
+    """ "[rank N] SIGUSR1 received...": the launcher signals each worker once, and stops once every rank said so."""
+    return f"[rank {os.environ.get('RANK', '0')}] {signal_name} received{what}\n".encode()
+
+
+RECEIVED = re.compile(r"\[rank (\d+)\] (SIGUSR1|SIGTERM) received")
+
+
+def preempted_exit(exit_code: int | None = None) -> str:
+    """The Trainer's last words after its preemption checkpoint."""
+    return f"exiting with code {EXIT_PREEMPTED if exit_code is None else exit_code}"
+
+
+# That line, or torchrun's report of a worker's exit code: either means the workers stopped for a preemption.
+PREEMPTED = re.compile(rf"{preempted_exit()}\b|exitcode\s*:\s*{EXIT_PREEMPTED}\b")
+
+
+def dead_ranks_phrase(culprit: str) -> str:
+    """How a PeerFailure names the rank(s) that stopped answering: "...: rank 3 died or hangs"."""
+    return f"{culprit} died or hangs"
+
+
+DEAD_RANKS = re.compile(r": ranks? ([\d, ]+) died or hangs")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
@@ -70,10 +98,13 @@ def _early_notice(signum, frame):
         os.kill(os.getpid(), signum)
         return
     _early_signal.append(signal.Signals(signum).name)
-    os.write(  # the launcher reads "[rank N] SIGUSR1 received" to signal each worker once (launch._RECEIVED)
+    os.write(
         2,
-        f"[rank {os.environ.get('RANK', '0')}] {_early_signal[0]} received before training: checkpointing at the "
-        "first update boundary, then exiting (send a signal again to exit at once).\n".encode(),
+        received_line(
+            _early_signal[0],
+            " before training: checkpointing at the first update boundary, then exiting (send a signal again to "
+            "exit at once).",
+        ),
     )
 
 
@@ -108,8 +139,10 @@ class PreemptionHandler:
         # buffered write from here would raise "reentrant call" at that arbitrary point.
         os.write(
             2,
-            f"[rank {os.environ.get('RANK', '0')}] {self.signal_name} received: checkpointing at the next "
-            "update boundary, then exiting (send a signal again to exit at once).\n".encode(),
+            received_line(
+                self.signal_name,
+                ": checkpointing at the next update boundary, then exiting (send a signal again to exit at once).",
+            ),
         )
 
     def __enter__(self):
@@ -229,10 +262,10 @@ def _is_collective_failure(e: BaseException) -> bool:
 
 
 @contextmanager
-def peer_failures(trainer):
+def peer_failures(acc, diag_group, timeout_s: float, step: Callable[[], int]):
     """Around fit()'s loop with several processes: a collective that fails or times out (--ddp_timeout) because
-    a peer died or hangs becomes a PeerFailure that names the rank, instead of a backend traceback."""
-    acc = trainer.accelerator
+    a peer died or hangs becomes a PeerFailure that names the rank, instead of a backend traceback.
+    `diag_group` is make_diagnostic_group's; `step()` the update count to report."""
     if acc.num_processes == 1:
         yield
         return
@@ -243,7 +276,7 @@ def peer_failures(trainer):
     except Exception as e:  # noqa: BLE001
         if not _is_collective_failure(e):
             raise
-        raise describe_peer_failure(acc, trainer._diag_group, e, trainer.global_step, trainer.args.ddp_timeout) from e
+        raise describe_peer_failure(acc, diag_group, e, step(), timeout_s) from e
 
 
 def describe_peer_failure(accelerator, group, error: BaseException, step: int, timeout_s: int) -> PeerFailure:
@@ -257,8 +290,6 @@ def describe_peer_failure(accelerator, group, error: BaseException, step: int, t
             dist.monitored_barrier(group=group, timeout=timedelta(seconds=min(timeout_s, 10)), wait_all_ranks=True)
         except Exception as e:  # noqa: BLE001
             text = str(e)
-            import re
-
             m = re.search(r"[Rr]anks? ([\d, ]+) failed to pass", text)
             if m:
                 culprit = "rank " + m.group(1).strip().rstrip(",")
@@ -266,7 +297,7 @@ def describe_peer_failure(accelerator, group, error: BaseException, step: int, t
                 culprit = "rank 0 (or another rank)"
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     return PeerFailure(
-        f"rank {rank}: a collective failed after step {step} ({first}): {culprit} died or hangs "
+        f"rank {rank}: a collective failed after step {step} ({first}): {dead_ranks_phrase(culprit)} "
         f"(no answer within --ddp_timeout={timeout_s} s). The whole job stops; resume with "
         "--resume_from_checkpoint latest."
     )

@@ -30,10 +30,6 @@ from accel_trainer import cluster_config, faults, network, sharding, world
 from accel_trainer.errors import UserError
 from accel_trainer.faults import EXIT_PREEMPTED
 
-# The Trainer's last line after its preemption checkpoint, and torchrun's report of a worker's exit code: either
-# one in the output means the workers stopped for a preemption (tests/test_slurm.py keeps this in sync).
-_PREEMPTED = re.compile(rf"exiting with code {EXIT_PREEMPTED}\b|exitcode\s*:\s*{EXIT_PREEMPTED}\b")
-_RECEIVED = re.compile(r"\[rank (\d+)\] (SIGUSR1|SIGTERM) received")
 FORWARD_GRACE_S = 2.0  # a signal sent to every process of a job step reaches the workers directly within this
 # After machine 0 is declared lost and this machine's workers are ended, torchrun's agent gets this long to exit by
 # itself, then SIGTERM, then SIGKILL after as long again: under c10d it otherwise waits on the rendezvous store on
@@ -52,7 +48,7 @@ def diagnose(output: str, config=None, machine_rank: int = 0) -> str:
     )
     if "TopologyError" in output:
         return "the processes formed a different world than the config describes (see the TopologyError above)"
-    lost = sorted({int(r) for grp in re.findall(r": ranks? ([\d, ]+) died or hangs", output) for r in grp.split(",")})
+    lost = sorted({int(r) for grp in faults.DEAD_RANKS.findall(output) for r in grp.split(",")})
     if lost:  # the Trainer's PeerFailure named them (rank 0 does; other ranks only know rank 0 stopped answering)
         per = int(getattr(config, "num_processes", 0) or 0) // max(n, 1)
         which = ""
@@ -257,7 +253,7 @@ def launch(argv: list[str], rdzv_timeout_s: int = cluster_config.DEFAULT_RDZV_TI
     print("accel-trainer launch: accelerate launch " + shlex.join(p.cmd[3:]), flush=True)
     run = _Run(p)
     rc, output = run.wait()
-    if rc != 0 and _PREEMPTED.search(output):
+    if rc != 0 and faults.PREEMPTED.search(output):
         # From here on the answer is 75: a late SIGTERM (srun --kill-on-bad-exit ends the other nodes' tasks as soon
         # as one exits 75) must not turn it into a death by signal.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -434,7 +430,7 @@ class _Run:
                     sys.stdout.buffer.flush()
                     tail = (tail + chunk)[-262144:]
                     text = tail.decode(errors="replace")
-                    self.received |= {int(r) for r, _ in _RECEIVED.findall(text)}
+                    self.received |= {int(r) for r, _ in faults.RECEIVED.findall(text)}
                 if self.signalled and not self.forwarded and time.monotonic() - self.signal_at >= FORWARD_GRACE_S:
                     self._forward()
                 self._stop_restarts()

@@ -403,7 +403,8 @@ class Trainer:
         self.model.train()
         self.meter.restart()
         self.events.fire("fit_start", self)
-        with self.preemption, faults.peer_failures(self):
+        peers = faults.peer_failures(self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step)
+        with self.preemption, peers:
             for window in self.windows():  # this rank's micro-batches of one optimizer update
                 self.update(window)
                 self.events.fire("update_end", self)
@@ -768,7 +769,7 @@ class Trainer:
         self.accelerator.end_training()
         self.reporter.print(
             f"Preempted ({self.preemption.signal_name or 'signal on another rank'}): checkpoint "
-            f"{path} at step {self.global_step}; exiting with code {faults.EXIT_PREEMPTED}. Resume "
+            f"{path} at step {self.global_step}; {faults.preempted_exit()}. Resume "
             "with --resume_from_checkpoint latest."
         )
         raise faults.Preempted(path, self.global_step)
