@@ -61,14 +61,16 @@ def list_checkpoints(output_dir: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------- writing
-def _hash_file(path: str) -> tuple[int, str]:
+def _hash_file(path: str, fsync: bool = True) -> tuple[int, str]:
+    """(size, sha256) of a file: for the manifest when writing (fsync), and to verify it before a resume."""
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
             size += len(chunk)
-        os.fsync(f.fileno())  # on disk before the rename makes the folder visible (power loss, not only kills)
+        if fsync:  # on disk before the rename makes the folder visible (power loss, not only kills)
+            os.fsync(f.fileno())
     return size, h.hexdigest()
 
 
@@ -184,6 +186,16 @@ def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None
         ) from None
 
 
+def write_file_atomically(path: str, write, output_dir: str, what: str) -> str:
+    """`write(tmp)` then rename tmp to `path`: a reader (or a kill) never sees half a file, and a full disk is one
+    line (disk_full_is_one_line). The model files (model.safetensors, best/) of plain and sharded runs go here."""
+    tmp = path + ".tmp"
+    with disk_full_is_one_line(output_dir, what, tmp):
+        write(tmp)
+    os.replace(tmp, path)
+    return path
+
+
 def _remove(path: str):
     with contextlib.suppress(OSError):
         os.remove(path)
@@ -274,11 +286,7 @@ def verify_checkpoint(path: str) -> dict:
             raise CheckpointError(
                 f"Checkpoint {path}: {file} is truncated or altered: {size} bytes, {meta['size']} expected."
             )
-        h = hashlib.sha256()
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        if h.hexdigest() != meta["sha256"]:
+        if _hash_file(file, fsync=False)[1] != meta["sha256"]:
             raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
     check_safe_to_load(path, manifest)
     check_dcp_metadata_safe(path, manifest)  # a sharded (FSDP) checkpoint's DCP metadata, read with plain pickle

@@ -5,7 +5,7 @@ The seam the Trainer calls, in order (docs/sharding.md has the whole integration
     plugin = fsdp_plugin(mixed_precision, reduce_dtype)       # None unless the launcher/config asks for FSDP
     acc = Accelerator(..., fsdp_plugin=plugin)
     activate_fsdp(acc, plugin)                                 # CPU: Accelerate's own FSDP2 path, see below
-    model, opt, sched = prepare_sharded(acc, model, opt, sched, wrap=recipe_classes)
+    (model, opt, sched), info = prepare_sharded(acc, model, opt, sched, wrap=recipe_classes)
     ...                                                        # training: acc.no_sync, acc.clip_grad_norm_
     save_full_model(acc, model, "model.safetensors")           # every rank: gathers the shards
 
@@ -35,6 +35,7 @@ import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
+from .checkpoint import write_file_atomically
 from .errors import UserError
 
 # Size-based wrapping for models without transformer blocks to name: every submodule over this many parameters
@@ -249,7 +250,8 @@ def configure_wrapping(plugin, model, wrap=None) -> str:
 # ----------------------------------------------------------------------------------------------------- preparing
 def prepare_sharded(accelerator, model, optimizer, *others, wrap=None):
     """`accelerator.prepare(model, optimizer, *others)`; under FSDP first the wrapping policy for this model,
-    after it the check that the model really is sharded. Returns the prepared objects in the same order.
+    after it the check that the model really is sharded. Returns (the prepared objects in the same order, what
+    this rank holds: assert_sharded's dict and the wrap policy, for run_config.json; {} without FSDP).
     FSDP2 needs the model and its optimizer in the same prepare() call: the optimizer's parameters are swapped
     for the sharded ones there."""
     if accelerator.distributed_type != DistributedType.FSDP:
@@ -258,14 +260,13 @@ def prepare_sharded(accelerator, model, optimizer, *others, wrap=None):
                 f"The launcher asks for FSDP but the Accelerator runs {accelerator.distributed_type.value}: build it "
                 "with fsdp_plugin=sharding.fsdp_plugin() and call sharding.activate_fsdp()."
             )
-        return accelerator.prepare(model, optimizer, *others)
+        return accelerator.prepare(model, optimizer, *others), {}
     plugin = accelerator.state.fsdp_plugin
     description = configure_wrapping(plugin, model, wrap)
     prepared = accelerator.prepare(model, optimizer, *others)
     info = assert_sharded(accelerator, prepared[0])
     info["wrap"] = description
-    accelerator.sharding_info = info  # for run_config.json: what each rank holds
-    return prepared
+    return prepared, info
 
 
 def _fsdp_root(model):
@@ -337,10 +338,10 @@ def rank_state_bytes(model, optimizer=None) -> dict:
     return out
 
 
-def rank_holdings(accelerator, model, optimizer=None) -> list[dict]:
-    """rank_state_bytes of every rank (with the sharding info of prepare_sharded), in rank order, on every rank:
+def rank_holdings(accelerator, model, optimizer=None, sharding_info: dict | None = None) -> list[dict]:
+    """rank_state_bytes of every rank (with prepare_sharded's sharding info), in rank order, on every rank:
     for run_config.json. Collective with several processes: every rank calls it."""
-    mine = rank_state_bytes(model, optimizer) | getattr(accelerator, "sharding_info", {})
+    mine = rank_state_bytes(model, optimizer) | (sharding_info or {})
     if accelerator.num_processes == 1:
         return [mine]
     import torch.distributed as dist
@@ -384,10 +385,11 @@ def _tied_names(model) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def save_full_model(accelerator, model, path: str) -> str:
+def save_full_model(accelerator, model, path: str, output_dir: str | None = None) -> str:
     """Write the full model as plain safetensors (no `module.`/`_orig_mod.` prefixes, loadable with
     `safetensors.torch.load_model` into the unwrapped model on one process). Every rank calls it; the main one
-    writes (tmp file + rename). Tied weights are stored once, under the name safetensors' save_model keeps (the
+    writes (checkpoint.write_file_atomically: tmp file + rename, a full disk is one line naming the last good
+    checkpoint of `output_dir`, by default the folder of `path`). Tied weights are stored once, under the name safetensors' save_model keeps (the
     first in sorted order), with the same `{dropped: kept}` metadata, so FSDP and DDP runs write the same keys."""
     from safetensors.torch import save_file
 
@@ -401,8 +403,11 @@ def save_full_model(accelerator, model, path: str) -> str:
                 metadata[dropped] = present[0]
                 del sd[dropped]
         sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-        tmp = path + ".tmp"
-        save_file(sd, tmp, metadata=metadata)
-        os.replace(tmp, path)
+        write_file_atomically(
+            path,
+            lambda tmp: save_file(sd, tmp, metadata=metadata),
+            output_dir or os.path.dirname(path),
+            f"the model to {path}",
+        )
     accelerator.wait_for_everyone()
     return path

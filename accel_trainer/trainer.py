@@ -195,7 +195,7 @@ class Trainer:
             else default_scheduler(optimizer, self.total_steps, args)
         )
         # Under FSDP (sharding.py): the wrap policy for this model first, then the check that it really is sharded.
-        self.model, self.optimizer, self.scheduler = sharding.prepare_sharded(
+        (self.model, self.optimizer, self.scheduler), self.sharding_info = sharding.prepare_sharded(
             acc, model, optimizer, scheduler, wrap=r.fsdp_wrap
         )
         self.sharded = acc.distributed_type == DistributedType.FSDP
@@ -389,7 +389,7 @@ class Trainer:
                 "topology": topology(self.accelerator),
                 "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
                 # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
-                "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer),
+                "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer, self.sharding_info),
                 "versions": library_versions(),
             },
         )
@@ -827,13 +827,13 @@ class Trainer:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
         path = path or os.path.join(self.args.output_dir, "model.safetensors")
         if self.sharded:  # every rank takes part in gathering the shards; the main process writes
-            return sharding.save_full_model(self.accelerator, self.model, path)
+            return sharding.save_full_model(self.accelerator, self.model, path, self.args.output_dir)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            tmp = path + ".tmp"
-            with ckpt.disk_full_is_one_line(self.args.output_dir, f"the model to {path}", tmp):
-                save_model(self.ema.module if self.ema is not None else self.unwrapped_model, tmp)
-            os.replace(tmp, path)
+            model = self.ema.module if self.ema is not None else self.unwrapped_model
+            ckpt.write_file_atomically(
+                path, lambda tmp: save_model(model, tmp), self.args.output_dir, f"the model to {path}"
+            )
         self.accelerator.wait_for_everyone()
         return path
 

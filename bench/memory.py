@@ -100,7 +100,7 @@ def worker(args):
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = sharding.prepare_sharded(acc, model, optimizer)
+    (model, optimizer), sharding_info = sharding.prepare_sharded(acc, model, optimizer)
     rss_prepared = RssSampler.rss()
     g = torch.Generator().manual_seed(acc.process_index)
     times = []
@@ -126,7 +126,7 @@ def worker(args):
         "peak_rss_training": during.peak,
         "peak_rss_lifetime": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "s_per_step": sorted(times)[len(times) // 2],
-        "wrap": getattr(acc, "sharding_info", {}).get("wrap"),
+        "wrap": sharding_info.get("wrap"),
     }
     rows = [row]
     if acc.num_processes > 1:
