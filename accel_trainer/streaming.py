@@ -72,55 +72,77 @@ def stream_loader(dataset, *, batch_size: int, collate, num_workers: int, drop_l
 
 
 def set_epoch(loader, epoch: int):
-    # datasets' IterableDataset reshuffles per epoch (when shuffled) and restores a saved position only into the
-    # epoch it was saved in, so the dataset's epoch is always ours.
+    # datasets' IterableDataset reorders its shards at every epoch after the first (seeded by the epoch) and
+    # restores a saved position only into the epoch it was saved in, so the dataset's epoch is always ours.
     if hasattr(loader.dataset, "set_epoch"):
         loader.dataset.set_epoch(epoch)
 
 
-def stream_windows(loader, accumulation: int, device, progress, rank: int):
-    """Yield lists of `accumulation` micro-batches (on `device`) forever, from the loader's current position:
-    an epoch is one pass over this rank's stream (its last window may be shorter), then the next one begins.
-    `progress.epoch` / `progress.batch_in_epoch` are this rank's counters (ranks' streams may differ in length,
-    so their epochs need not end together); they move as windows are handed out, and to the next epoch only
-    when the loader says the stream has ended, so that a checkpoint's counters always match the loader state
-    saved with them."""
-    while True:
-        set_epoch(loader, progress.epoch)
-        fresh, window = progress.batch_in_epoch == 0, []
-        for batch in loader:
-            window.append(send_to_device(batch, device))
-            if len(window) == accumulation:
-                progress.batch_in_epoch += len(window)
-                yield window
-                window = []
-        if window:  # the epoch's last, shorter window
-            progress.batch_in_epoch += len(window)
-            yield window
-        if fresh and progress.batch_in_epoch == 0:
+_END = object()
+
+
+class Stream:
+    """This rank's stream of training windows and its position: `state` is the loader's state_dict() right after
+    the last window handed out (None: the start of `progress.epoch`).
+
+    Why we look one batch ahead: a loader whose state was saved after its last batch, before it said the epoch
+    had ended, does not end that epoch when restored: with workers, torchdata's StatefulDataLoader starts it over
+    (seen in tests/test_streaming.py). So each window is handed out only once the next batch is known, an epoch's
+    end is recorded as (next epoch, batch 0, no state), and the state saved is the one taken before the look ahead.
+    """
+
+    def __init__(self, loader, rank: int):
+        self.loader, self.rank, self.state = loader, rank, None
+
+    def windows(self, accumulation: int, device, progress):
+        """Yield lists of `accumulation` micro-batches (on `device`) forever: an epoch is one pass over this rank's
+        stream (its last window may be shorter), then the next begins. `progress.epoch`/`batch_in_epoch` are this
+        rank's counters (ranks' streams may differ in length, so their epochs need not end together)."""
+        while True:
+            set_epoch(self.loader, progress.epoch)
+            it, fresh = iter(self.loader), progress.batch_in_epoch == 0
+            ended = False
+
+            def pull():
+                nonlocal ended
+                batch = _END if ended else next(it, _END)
+                ended = batch is _END
+                return batch
+
+            batch = pull()
+            if batch is _END and fresh:
+                raise StreamError(
+                    f"The training stream gave no batch in epoch {progress.epoch} on rank {self.rank}: fewer "
+                    "examples than per_device_train_batch_size there? Add data (or shards), or lower the batch size."
+                )
+            while batch is not _END:
+                window = [batch]
+                while len(window) < accumulation and (batch := pull()) is not _END:
+                    window.append(batch)
+                state = self.loader.state_dict()  # the position right after this window
+                batch = pull()  # look ahead: does the epoch end with this window?
+                if batch is _END:
+                    progress.epoch, progress.batch_in_epoch, self.state = progress.epoch + 1, 0, None
+                else:
+                    progress.batch_in_epoch, self.state = progress.batch_in_epoch + len(window), state
+                yield [send_to_device(b, device) for b in window]
+
+    def save(self, folder: str, progress):
+        """This rank's position: its epoch and batch counters and the loader's state (plain containers, ints and
+        tensors, so the checkpoint check test-loads it with weights_only)."""
+        state = {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "loader": self.state}
+        torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.rank)))
+
+    def load(self, folder: str, progress):
+        path = os.path.join(folder, STATE_FILE.format(rank=self.rank))
+        if not os.path.isfile(path):
             raise StreamError(
-                f"The training stream gave no batch in epoch {progress.epoch} on rank {rank}: fewer examples "
-                "than per_device_train_batch_size there? Add data (or shards), or lower the batch size."
+                f"Checkpoint {folder} has no {os.path.basename(path)}: it was not written by a streaming run of "
+                "this world size, so this rank's position in the stream is unknown. Resume with the same data and "
+                "number of processes, or start anew (--overwrite_output_dir)."
             )
-        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
-
-
-def save_state(folder: str, rank: int, loader, progress):
-    """This rank's position: its epoch and batch counters and the loader's state (pickled tensors/ints only, so
-    the checkpoint check test-loads it with weights_only)."""
-    state = {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "loader": loader.state_dict()}
-    torch.save(state, os.path.join(folder, STATE_FILE.format(rank=rank)))
-
-
-def load_state(folder: str, rank: int, loader, progress):
-    path = os.path.join(folder, STATE_FILE.format(rank=rank))
-    if not os.path.isfile(path):
-        raise StreamError(
-            f"Checkpoint {folder} has no {os.path.basename(path)}: it was not written by a streaming run of this "
-            "world size, so this rank's position in the stream is unknown. Resume with the same data and number "
-            "of processes, or start anew (--overwrite_output_dir)."
-        )
-    state = torch.load(path, weights_only=True)
-    progress.epoch, progress.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
-    set_epoch(loader, state["epoch"])
-    loader.load_state_dict(state["loader"])
+        state = torch.load(path, weights_only=True)
+        progress.epoch, progress.batch_in_epoch, self.state = state["epoch"], state["batch_in_epoch"], state["loader"]
+        set_epoch(self.loader, progress.epoch)
+        if self.state is not None:
+            self.loader.load_state_dict(self.state)

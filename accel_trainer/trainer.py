@@ -371,7 +371,7 @@ class Trainer:
             )
         if args.max_train_samples is not None:
             dataset = dataset.take(args.max_train_samples)
-        self._train_stream = streaming.stream_loader(
+        loader = streaming.stream_loader(
             dataset,
             batch_size=args.per_device_train_batch_size,
             collate=data.get("collate"),
@@ -379,7 +379,8 @@ class Trainer:
             drop_last=args.dataloader_drop_last,
             seed=args.seed,
         )
-        return self._train_stream
+        self._train_stream = streaming.Stream(loader, self.accelerator.process_index)
+        return loader
 
     def _flat_config(self) -> dict:
         cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool))}
@@ -472,10 +473,7 @@ class Trainer:
             return
         asked = time.perf_counter()
         if self.streaming:  # the position is the loader's state; streaming.stream_windows moves the counters
-            for window in streaming.stream_windows(
-                self.train_loader, self.args.gradient_accumulation_steps, self.accelerator.device, p,
-                self.accelerator.process_index
-            ):  # fmt: skip
+            for window in self._train_stream.windows(self.args.gradient_accumulation_steps, self.accelerator.device, p):
                 self.meter.waited(time.perf_counter() - asked)
                 yield window
                 asked = time.perf_counter()
@@ -744,7 +742,7 @@ class Trainer:
     def _save_data_state(self, folder: str):
         """Every rank: its position in its stream (streaming.py), next to accelerate's per-rank RNG files."""
         if self.streaming:
-            streaming.save_state(folder, self.accelerator.process_index, self.train_loader, self.progress)
+            self._train_stream.save(folder, self.progress)
 
     def _preempt(self, progress_bar=None):
         """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
@@ -773,7 +771,7 @@ class Trainer:
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
         self.progress.batch_in_epoch = position
         if self.streaming:  # this rank's epoch, batch counter and stream position (they differ by rank)
-            streaming.load_state(path, self.accelerator.process_index, self.train_loader, self.progress)
+            self._train_stream.load(path, self.progress)
         moved = "" if saved["num_processes"] == self.accelerator.num_processes else (
             f", written by {saved['num_processes']} processes: batch {saved['batch_in_epoch']} there"
         )  # fmt: skip

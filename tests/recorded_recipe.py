@@ -47,6 +47,10 @@ def recorded(recipe):
     """The recipe with its loss recording the ids of each micro-batch and an update_end handler writing them."""
     record_dir, delay = os.environ.get("RECORD_DIR"), float(os.environ.get("STEP_DELAY", "0"))
     pending: list[list[str]] = []
+    epoch = [0]  # the epoch the next window comes from (trainer.epoch after an epoch's last window is the next one)
+
+    def on_fit_start(trainer):
+        epoch[0] = trainer.epoch
 
     def loss(model, batch):
         pending.append(sample_ids(batch))
@@ -56,14 +60,16 @@ def recorded(recipe):
         if record_dir:
             path = os.path.join(record_dir, f"rank{trainer.accelerator.process_index}.txt")
             with open(path, "a") as f:
-                f.write(f"{trainer.global_step} {trainer.epoch} " + " | ".join(" ".join(b) for b in pending) + "\n")
+                f.write(f"{trainer.global_step} {epoch[0]} " + " | ".join(" ".join(b) for b in pending) + "\n")
         pending.clear()
+        epoch[0] = trainer.epoch
         if delay:
             time.sleep(delay)
 
     events = dict(recipe.events)
-    inner = events.get("update_end")
-    events["update_end"] = (lambda t: (inner(t), on_update_end(t))) if inner else on_update_end
+    for name, handler in (("fit_start", on_fit_start), ("update_end", on_update_end)):
+        inner = events.get(name)
+        events[name] = (lambda t, inner=inner, handler=handler: (inner(t), handler(t))) if inner else handler
     return dataclasses.replace(recipe, loss=loss, events=events)
 
 
