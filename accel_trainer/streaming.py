@@ -3,8 +3,8 @@
 `datasets.distributed.split_dataset_by_node`). Its length is unknown, so the run length is --max_steps.
 
 Each rank reads its own part of the stream through torchdata's `StatefulDataLoader`, whose `state_dict()` holds
-the position of the stream in every worker (the dataset's own `state_dict()`, which `datasets` >= 3 provides) at
-the last batch handed out. A checkpoint stores it per rank (`data_state_rank<R>.pt`), with the rank's epoch and
+the position of the stream in every worker (the dataset's own `state_dict()`, which `datasets` >= 3 provides)
+after the last window handed out. A checkpoint stores it per rank (`data_state_rank<R>.pt`), with the rank's epoch and
 batch counters, so a killed run continues each rank's stream exactly where it was. See docs/data.md.
 
 Why not Accelerate's data loader: for an iterable dataset it either reads the whole stream on the main process

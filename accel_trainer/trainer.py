@@ -472,7 +472,7 @@ class Trainer:
         if p.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
             return
         asked = time.perf_counter()
-        if self.streaming:  # the position is the loader's state; streaming.stream_windows moves the counters
+        if self.streaming:  # the position is the loader's state; streaming.Stream moves the counters
             for window in self._train_stream.windows(self.args.gradient_accumulation_steps, self.accelerator.device, p):
                 self.meter.waited(time.perf_counter() - asked)
                 yield window

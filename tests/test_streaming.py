@@ -155,6 +155,12 @@ def test_streamed_run_killed_and_resumed_trains_on_the_same_blocks(corpus, tmp_p
         assert sorted(expected[rank]) == list(range(1, STEPS + 1))
         assert got[rank] == expected[rank], f"rank {rank} trained on other blocks after the resume"
     assert weights(tmp_path / "run") == weights(tmp_path / "ref")
+    if nproc == 2:  # a rank's position in its part of the stream does not move to another world size: refused
+        other = launches(corpus, "causal_lm", [*args, "--resume_from_checkpoint", "latest"], tmp_path / "run", 1)
+        assert other.wait() == 1
+        last = other.output().strip().splitlines()[-1]
+        assert last.startswith("error: Checkpoint") and "written by 2 processes" in last, other.output()
+        assert weights(tmp_path / "run") == weights(tmp_path / "ref")  # nothing overwritten
     # each rank's stream crossed an epoch; within each epoch the ranks' blocks are all different
     for epoch in (0, 1):
         blocks = [b for rank in expected for e, mbs in rank.values() if e == epoch for mb in mbs for b in mb]
