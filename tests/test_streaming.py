@@ -210,3 +210,31 @@ def test_a_stream_without_max_steps_is_refused_in_one_line(corpus, tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: The training data is a stream")
     assert "--max_steps" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_jsonl_shards_stream_split_across_ranks(corpus, tmp_path, monkeypatch):
+    """In-process: json lines shards read as a stream on 2 ranks, packed into full blocks: the ranks' blocks are
+    disjoint and together hold every document's tokens (less each rank's last partial block); a missing column is
+    one clear error."""
+    from text_fixtures import ctx, load_recipe_module
+
+    from accel_trainer.text import tokenizer_for
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    docs = []
+    for s in range(4):
+        docs += [f"doc {s} {i} {t}" for i, t in enumerate(sentences(4, seed=s))]
+        rows = [json.dumps({"text": d, "id": i}) for i, d in enumerate(docs[-4:])]
+        (tmp_path / f"part{s}.jsonl").write_text("\n".join(rows) + "\n")
+    clm = load_recipe_module("causal_lm")
+    args = clm.Args(model_name_or_path=str(corpus / "gpt2"), train_file=str(tmp_path / "*.jsonl"), streaming=True)
+    args.block_size = 8
+    ranks = [[tuple(r["input_ids"]) for r in clm.build_data(ctx(args, world=2, rank=k))["train"]] for k in (0, 1)]
+    assert ranks[0] and ranks[1] and not set(ranks[0]) & set(ranks[1])
+    assert all(len(b) == 8 for b in ranks[0] + ranks[1])
+    tok = tokenizer_for(args)
+    total = sum(len(tok(d, add_special_tokens=False)["input_ids"]) + 1 for d in docs)  # + EOS after each document
+    assert total - 2 * 8 < 8 * (len(ranks[0]) + len(ranks[1])) <= total
+    args.text_column = "body"
+    with pytest.raises(FileNotFoundError, match="no column 'body'.*pass --text_column"):
+        clm.build_data(ctx(args))
