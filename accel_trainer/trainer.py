@@ -34,14 +34,14 @@ from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
 from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import DistributedType, find_batch_size, set_seed
+from accelerate.utils import DistributedType, find_batch_size, send_to_device, set_seed
 from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import faults, precision, sharding
+from . import faults, precision, sharding, streaming
 from .accel import build_accelerator
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
@@ -174,13 +174,17 @@ class Trainer:
         set_seed(args.seed)
         model = self._build_model()
         self.train_loader, self.eval_loader = self._build_loaders(self.recipe.build_data(self.ctx))
-        self.micro_batches_per_epoch = len(self.train_loader)
+        # A stream (streaming.py) has no length: the run length is --max_steps, an epoch ends when the stream does.
+        self.streaming = self._train_stream is not None
+        self.micro_batches_per_epoch = None if self.streaming else len(self.train_loader)
         if self.micro_batches_per_epoch == 0:
             raise UserError(
                 "The training data gives no batch on this process: fewer samples than "
                 "per_device_train_batch_size x processes? Lower the batch size or add data."
             )
-        self.updates_per_epoch = math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
+        self.updates_per_epoch = (
+            None if self.streaming else math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
+        )
         self.total_steps = (
             args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.updates_per_epoch)
         )
@@ -321,10 +325,13 @@ class Trainer:
         if unknown:
             raise TypeError(f"Recipe {self.recipe.name}: build_data returned unknown keys {sorted(unknown)}.")
         args, make = self.args, data.get("loader")
+        self._train_stream = None
 
         def loader(dataset, train: bool):
             if dataset is None:
                 return None
+            if streaming.is_iterable_dataset(dataset):
+                return self._stream_loader(dataset, train, data)
             if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
                 raise TypeError(
                     f"Recipe {self.recipe.name}: build_data's {'train' if train else 'eval'} entry is a "
@@ -356,6 +363,32 @@ class Trainer:
             )
 
         return loader(data["train"], True), loader(data.get("eval"), False)
+
+    def _stream_loader(self, dataset, train: bool, data: dict):
+        """This rank's StatefulDataLoader over an iterable train dataset (streaming.py: why not Accelerate's)."""
+        args = self.args
+        if not train:
+            raise UserError(
+                f"Recipe {self.recipe.name}: its eval data is an iterable dataset; evaluation counts every sample "
+                "once on any world size and needs a map-style one (e.g. load the validation split without streaming)."
+            )
+        if args.max_steps <= 0:
+            raise UserError(
+                "The training data is a stream (an iterable dataset) of unknown length: pass --max_steps N "
+                "(the number of optimizer updates) instead of --num_train_epochs."
+            )
+        if args.max_train_samples is not None:
+            dataset = dataset.take(args.max_train_samples)
+        loader = streaming.stream_loader(
+            dataset,
+            batch_size=args.per_device_train_batch_size,
+            collate=data.get("collate"),
+            num_workers=args.dataloader_num_workers,
+            drop_last=args.dataloader_drop_last,
+            seed=args.seed,
+        )
+        self._train_stream = streaming.Stream(loader, self.accelerator.process_index)
+        return loader
 
     def _flat_config(self) -> dict:
         cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool))}
@@ -412,7 +445,10 @@ class Trainer:
                 step, last = p.global_step, p.global_step >= self.total_steps
                 if step % args.logging_steps == 0 or last:
                     self.log(bar)
-                eval_due = step % args.eval_steps == 0 if args.eval_steps else p.batch_in_epoch == 0  # epoch end
+                # at an epoch's end; not for a stream, whose epochs end at other updates on each rank
+                eval_due = (
+                    step % args.eval_steps == 0 if args.eval_steps else p.batch_in_epoch == 0 and not self.streaming
+                )
                 if not last and self.eval_loader is not None and eval_due:
                     with self.meter.paused():  # not update time in the log rows
                         metrics = self.evaluate()
@@ -446,6 +482,12 @@ class Trainer:
         if p.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
             return
         asked = time.perf_counter()
+        if self.streaming:  # the position is the loader's state; streaming.Stream moves the counters
+            for window in self._train_stream.windows(self.args.gradient_accumulation_steps, self.accelerator.device, p):
+                self.meter.waited(time.perf_counter() - asked)
+                yield window
+                asked = time.perf_counter()
+            return
         for epoch, position, window in accumulation_windows(
             self._epoch_batches, L, self.args.gradient_accumulation_steps, p.epoch, p.batch_in_epoch
         ):
@@ -456,6 +498,9 @@ class Trainer:
 
     def _epoch_batches(self, epoch: int, skip: int):
         loader = self.train_loader
+        if self.streaming:  # fetch_batch(): the stream from its current position (which is the loader's)
+            streaming.set_epoch(loader, epoch)
+            return (send_to_device(b, self.accelerator.device) for b in loader)
         loader.set_epoch(epoch)  # the order is a function of (seed, epoch) only
         if skip == 0:
             return iter(loader)
@@ -631,6 +676,8 @@ class Trainer:
         )
 
     def _epoch_float(self) -> float:
+        if self.streaming:  # the stream's length is unknown: whole epochs of this rank only
+            return float(self.progress.epoch)
         return self.progress.epoch + self.progress.batch_in_epoch / self.micro_batches_per_epoch
 
     # ------------------------------------------------------------------------------------------------ evaluation
@@ -751,11 +798,19 @@ class Trainer:
             self.state(),
             ema=self.ema,
             save_total_limit=self.args.save_total_limit,
-            on_staged=lambda folder: self.events.fire("checkpoint_staged", self, folder),
+            on_staged=lambda folder: (
+                self._save_data_state(folder),
+                self.events.fire("checkpoint_staged", self, folder),
+            ),
         )
         self._saved_step = self.global_step
         self.events.fire("checkpoint_written", self, path)
         return path
+
+    def _save_data_state(self, folder: str):
+        """Every rank: its position in its stream (streaming.py), next to accelerate's per-rank RNG files."""
+        if self.streaming:
+            self._train_stream.save(folder, self.progress)
 
     def _preempt(self, progress_bar=None):
         """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
@@ -792,6 +847,8 @@ class Trainer:
                 )
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
         self.progress.batch_in_epoch = position
+        if self.streaming:  # this rank's epoch, batch counter and stream position (they differ by rank)
+            self._train_stream.load(path, self.progress)
         moved = "" if saved["num_processes"] == self.accelerator.num_processes else (
             f", written by {saved['num_processes']} processes: batch {saved['batch_in_epoch']} there"
         )  # fmt: skip
@@ -806,6 +863,12 @@ class Trainer:
         processes: the same samples on any world size. Exact when the global batch is unchanged; the per-rank
         random streams are not (a rank that did not exist restarts from the seed)."""
         args, world = self.args, self.accelerator.num_processes
+        if self.streaming and saved["num_processes"] != world:
+            raise ckpt.CheckpointError(
+                f"Checkpoint {path} was written by {saved['num_processes']} processes reading their own parts of "
+                f"the stream; this run has {world}. A stream's position cannot move to another world size: resume "
+                f"on {saved['num_processes']} processes."
+            )
         old_micro = saved["per_device_train_batch_size"] * saved["num_processes"]
         old_global = old_micro * saved["gradient_accumulation_steps"]
         new_micro = args.per_device_train_batch_size * world

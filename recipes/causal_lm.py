@@ -19,7 +19,9 @@ Eval reports eval_loss (token-weighted), eval_perplexity = exp(eval_loss), and a
 """
 
 import functools
+import glob
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -83,6 +85,15 @@ class Args:
             "help": "Where downloaded models/datasets and the tokenised cache go (default: the Hugging Face caches)."
         },
     )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read the training data as a stream (datasets' streaming=True): nothing is downloaded whole or "
+            "cached, for corpora larger than memory or disk. --train_file may be a glob ('shards/*.jsonl'); the "
+            "files are split across processes, tokenised and packed on the fly by --dataloader_num_workers "
+            "workers. Needs --max_steps. Evaluation: --validation_file (read whole), else none. docs/data.md"
+        },
+    )
     sample_prompt: str = field(default="", metadata={"help": "Prompt for the sample generated at each eval."})
     sample_max_new_tokens: int = field(default=40, metadata={"help": "Length of that sample; 0 = no sample."})
 
@@ -91,6 +102,8 @@ class Args:
             raise ValueError("no data: pass --train_file <text file> or --dataset_name <Hub id or local folder>.")
         if self.group_by_length and self.packing:
             raise ValueError("--group_by_length needs --packing false (packed blocks all have --block_size tokens).")
+        if self.streaming and self.group_by_length:
+            raise ValueError("--group_by_length needs the whole dataset; it cannot be used with --streaming.")
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (one input and one target token), got {self.block_size}.")
 
@@ -147,8 +160,6 @@ def _load_raw(args):
 def build_data(ctx):
     args, accelerator = ctx.args, ctx.accelerator
     tokenizer = tokenizer_for(args)
-    raw = _load_raw(args)
-    splits = {"train": raw["train"], "eval": raw["validation"]}
     block = args.block_size
     eos = tokenizer.eos_token_id
 
@@ -173,6 +184,12 @@ def build_data(ctx):
         n = len(stream) // block * block
         return {"input_ids": [stream[i : i + block] for i in range(0, n, block)]}
 
+    if args.streaming:
+        splits = {"eval": _load_validation(args)} if args.validation_file else {}
+    else:
+        raw = _load_raw(args)
+        splits = {"train": raw["train"], "eval": raw["validation"]}
+
     # Tokenise once: map() results are cached next to the dataset, keyed by a fingerprint of the data and
     # of these functions (tokenizer and block size included); the main process writes, the others then read.
     with accelerator.main_process_first():
@@ -192,8 +209,61 @@ def build_data(ctx):
     collate = functools.partial(pad_collate, pad_id=tokenizer.pad_token_id)
     # group_by_length: our own batch loader of similar-length batches instead of the Trainer's shuffled DataLoader
     loader = length_grouped_loader(ctx, collate) if args.group_by_length else None
+    if args.streaming:
+        return {"train": _stream(ctx, tokenize, pack, tokenize_lines), "eval": out.get("eval"), "collate": collate}
     return {"train": out["train"], "eval": out["eval"], "collate": collate,
             "loader": loader}  # fmt: skip
+
+
+def _data_files(pattern: str) -> list[str]:
+    """--train_file as files: a glob ('shards/*.txt') expands to its matches, sorted (one order on every rank)."""
+    return sorted(glob.glob(os.path.expanduser(pattern))) or [pattern]  # no match: load_text_dataset names it
+
+
+def _text_kwargs(args, path: str) -> dict:
+    # keep_linebreaks: packed text keeps its line structure (matters for verse/code); per-line examples don't
+    return {"keep_linebreaks": args.packing} if path.endswith((".txt", ".text")) else {}
+
+
+def _load_validation(args):
+    """--validation_file, read whole (a stream has no held-out tail): eval counts every line once."""
+    raw = load_text_dataset(
+        data_files={"validation": args.validation_file},
+        cache_dir=args.cache_dir,
+        **_text_kwargs(args, args.validation_file),
+    )
+    return raw["validation"]
+
+
+def _stream(ctx, tokenize, pack, tokenize_lines):
+    """The training split as this rank's stream: a datasets IterableDataset over the files (or Hub dataset), each
+    rank reading its own files (split_dataset_by_node: whole files when their number divides by the number of
+    processes, else every world_size-th example), tokenised and packed as it is read (in the loader's workers,
+    which share out this rank's files)."""
+    from datasets.distributed import split_dataset_by_node
+
+    args = ctx.args
+    if args.dataset_name:
+        raw = load_text_dataset(
+            args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir, streaming=True, split="train"
+        )
+    else:
+        files = _data_files(args.train_file)
+        raw = load_text_dataset(
+            data_files={"train": files},
+            cache_dir=args.cache_dir,
+            streaming=True,
+            split="train",
+            **_text_kwargs(args, files[0]),
+        )
+    col = args.text_column
+    if raw.column_names is not None and col not in raw.column_names:
+        raise MissingInputError(f"no column {col!r} in the dataset (columns: {raw.column_names}); pass --text_column.")
+    ds = split_dataset_by_node(raw, rank=ctx.process_index, world_size=ctx.world_size).select_columns([col])
+    if args.packing:
+        return ds.map(tokenize, batched=True, remove_columns=[col]).map(pack, batched=True, batch_size=1000)
+    ds = ds.filter(lambda b: [bool(t.strip()) for t in b[col]], batched=True)
+    return ds.map(tokenize_lines, batched=True, remove_columns=[col])
 
 
 def pad_collate(examples, pad_id: int):

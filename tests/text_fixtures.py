@@ -112,8 +112,9 @@ def make_tiny_bert(folder: str, texts=None, num_labels: int = 2) -> str:
     return folder
 
 
-def make_tiny_gpt2(folder: str, texts=None, weights: bool = True) -> str:
-    """A 2-layer, 32-wide GPT-2 + byte-level BPE tokenizer saved in `folder` (config only if not `weights`)."""
+def make_tiny_gpt2(folder: str, texts=None, weights: bool = True, tie: bool = True) -> str:
+    """A 2-layer, 32-wide GPT-2 + byte-level BPE tokenizer saved in `folder` (config only if not `weights`;
+    `tie`: the output layer shares the input embedding, as in the real gpt2)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -129,6 +130,7 @@ def make_tiny_gpt2(folder: str, texts=None, weights: bool = True) -> str:
         attn_pdrop=0.0,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tie,
     )
     if weights:
         with torch.random.fork_rng():

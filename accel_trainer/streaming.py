@@ -1,0 +1,148 @@
+"""Streaming (iterable) training data: a recipe's build_data may return an iterable dataset for "train" (e.g.
+`datasets.load_dataset(..., streaming=True)`, already split across ranks with
+`datasets.distributed.split_dataset_by_node`). Its length is unknown, so the run length is --max_steps.
+
+Each rank reads its own part of the stream through torchdata's `StatefulDataLoader`, whose `state_dict()` holds
+the position of the stream in every worker (the dataset's own `state_dict()`, which `datasets` >= 3 provides)
+after the last window handed out. A checkpoint stores it per rank (`data_state_rank<R>.pt`), with the rank's epoch and
+batch counters, so a killed run continues each rank's stream exactly where it was. See docs/data.md.
+
+Why not Accelerate's data loader: for an iterable dataset it either reads the whole stream on the main process
+and sends every batch to the others (dispatch_batches, the default), or has every rank read the whole stream and
+keep its slice (IterableDatasetShard); and its StatefulDataLoader support fails with several processes and
+num_workers > 1 (accelerate #3080). A stream already split per rank needs none of that: a plain per-rank loader.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate.utils import send_to_device
+
+from .errors import UserError
+
+STATE_FILE = "data_state_rank{rank}.pt"
+
+
+class StreamError(UserError):
+    pass
+
+
+def is_iterable_dataset(dataset) -> bool:
+    """A dataset read by iterating (torch or `datasets` IterableDataset, or any object with __iter__ and no
+    __getitem__/__len__), as opposed to a map-style one."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.IterableDataset):
+            return True
+    except ImportError:
+        pass
+    return hasattr(dataset, "__iter__") and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))
+
+
+def stream_loader(dataset, *, batch_size: int, collate, num_workers: int, drop_last: bool, seed: int):
+    """This rank's loader over its part of the stream; its state_dict() is the position in it."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        raise StreamError(
+            "Streaming (iterable) training data needs torchdata's StatefulDataLoader to resume exactly: "
+            "pip install torchdata"
+        ) from None
+    for method in ("state_dict", "load_state_dict"):
+        if not hasattr(dataset, method):
+            raise StreamError(
+                f"The iterable training dataset ({type(dataset).__name__}) has no {method}(), so a checkpoint "
+                "cannot hold its position: use a datasets.IterableDataset (datasets >= 3) or implement it."
+            )
+    return StatefulDataLoader(
+        dataset,
+        batch_size=batch_size,
+        collate_fn=collate,
+        num_workers=num_workers,
+        drop_last=drop_last,
+        pin_memory=torch.cuda.is_available(),
+        # Own generator: creating an iterator must not draw from the global RNG (dropout's).
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def set_epoch(loader, epoch: int):
+    # datasets' IterableDataset reorders its shards at every epoch after the first (seeded by the epoch) and
+    # restores a saved position only into the epoch it was saved in, so the dataset's epoch is always ours.
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)
+
+
+_END = object()
+
+
+class Stream:
+    """This rank's stream of training windows and its position: `state` is the loader's state_dict() right after
+    the last window handed out (None: the start of `progress.epoch`).
+
+    Why we look one batch ahead: a loader whose state was saved after its last batch, before it said the epoch
+    had ended, does not end that epoch when restored: with workers, torchdata's StatefulDataLoader starts it over
+    (seen in tests/test_streaming.py). So each window is handed out only once the next batch is known, an epoch's
+    end is recorded as (next epoch, batch 0, no state), and the state saved is the one taken before the look ahead.
+    """
+
+    def __init__(self, loader, rank: int):
+        self.loader, self.rank, self.state = loader, rank, None
+
+    def windows(self, accumulation: int, device, progress):
+        """Yield lists of `accumulation` micro-batches (on `device`) forever: an epoch is one pass over this rank's
+        stream (its last window may be shorter), then the next begins. `progress.epoch`/`batch_in_epoch` are this
+        rank's counters (ranks' streams may differ in length, so their epochs need not end together)."""
+        while True:
+            set_epoch(self.loader, progress.epoch)
+            it, fresh = iter(self.loader), progress.batch_in_epoch == 0
+            ended = False
+
+            def pull():
+                nonlocal ended
+                batch = _END if ended else next(it, _END)
+                ended = batch is _END
+                return batch
+
+            batch = pull()
+            if batch is _END and fresh:
+                raise StreamError(
+                    f"The training stream gave no batch in epoch {progress.epoch} on rank {self.rank}: fewer "
+                    "examples than per_device_train_batch_size there? Add data (or shards), or lower the batch size."
+                )
+            while batch is not _END:
+                window = [batch]
+                while len(window) < accumulation and (batch := pull()) is not _END:
+                    window.append(batch)
+                state = self.loader.state_dict()  # the position right after this window
+                batch = pull()  # look ahead: does the epoch end with this window?
+                if batch is _END:
+                    progress.epoch, progress.batch_in_epoch, self.state = progress.epoch + 1, 0, None
+                else:
+                    progress.batch_in_epoch, self.state = progress.batch_in_epoch + len(window), state
+                yield [send_to_device(b, device) for b in window]
+
+    def save(self, folder: str, progress):
+        """This rank's position: its epoch and batch counters and the loader's state (plain containers, ints and
+        tensors, so the checkpoint check test-loads it with weights_only)."""
+        state = {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "loader": self.state}
+        torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.rank)))
+
+    def load(self, folder: str, progress):
+        path = os.path.join(folder, STATE_FILE.format(rank=self.rank))
+        if not os.path.isfile(path):
+            raise StreamError(
+                f"Checkpoint {folder} has no {os.path.basename(path)}: it was not written by a streaming run of "
+                "this world size, so this rank's position in the stream is unknown. Resume with the same data and "
+                "number of processes, or start anew (--overwrite_output_dir)."
+            )
+        state = torch.load(path, weights_only=True)
+        progress.epoch, progress.batch_in_epoch, self.state = state["epoch"], state["batch_in_epoch"], state["loader"]
+        set_epoch(self.loader, progress.epoch)
+        if self.state is not None:
+            self.loader.load_state_dict(self.state)
