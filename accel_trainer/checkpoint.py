@@ -477,7 +477,9 @@ def load_checkpoint(accelerator, path: str, model, optimizer=None, ema=None) -> 
         check_compatible(path, model)
         accelerator.load_state(path)
     if ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):
-        load_model(ema.module, os.path.join(path, EMA_FILE), device=str(accelerator.device))
+        # "cpu", not "cpu:0": Accelerate gives multi-process CPU runs the device cpu:0, which safetensors refuses.
+        device = "cpu" if accelerator.device.type == "cpu" else str(accelerator.device)
+        load_model(ema.module, os.path.join(path, EMA_FILE), device=device)
     return state
 
 
