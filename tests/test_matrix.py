@@ -78,6 +78,8 @@ REFUSED = {
 KNOWN_FAILURES = {
     (("model", "bert"), ("world", "fsdp")): "Accelerate 1.15's fsdp2_prepare_model shards BERT's input embedding twice "
     "(torch: 'Invariant encountered: value was None' in _init_sharding_spec_tp), a traceback at start-up",
+    (("model", "cifar"), ("world", "fsdp")): "Accelerate 1.15's fsdp2_load_full_state_dict (cpu_ram_efficient_loading) "
+    "takes BatchNorm's buffers for DTensors ('Tensor' object has no attribute 'device_mesh'), a traceback at start-up",
 }
 
 
@@ -87,11 +89,12 @@ def allowed(row: dict) -> bool:
     rules = [
         # refused on purpose (REFUSED)
         not (g("world") == "fsdp" and g("ema")),
-        not (g("model") == "bert" and g("world") == "fsdp"),  # KNOWN_FAILURES
+        not (g("model") in ("bert", "cifar") and g("world") == "fsdp"),  # KNOWN_FAILURES
         not (g("grad_ckpt") and g("model") in ("reg", "cifar")),
         # not meaningful: the flag does nothing there
         not (g("hook") == "fp16" and g("world") in ("1", "fsdp")),  # a DDP communication hook
         not (g("sync_bn") and g("world") in ("ddp", "fsdp")),  # refused on CPU processes; a GPU-only test
+        not (g("sync_bn") and g("lifecycle") in ("world", "elastic")),  # ... and so on the 2-process resume
         not (g("sync_bn") and g("model") in ("reg", "gpt2", "bert")),  # only a BatchNorm net has something to sync
         not (g("workers") and g("model") == "cifar"),  # the CIFAR recipe batches on the device, no DataLoader
         not (g("lifecycle") == "elastic" and g("world") == "1"),  # torchrun restarts a group of processes
@@ -359,9 +362,9 @@ def test_refused_pairs_say_so_in_one_line(pair, files, tmp_path):
     assert result["rc"] != 0, log[-4000:]
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
     assert errors and all(REFUSED[pair] in e for e in errors), log[-4000:]
-    # no traceback from a process of the run; under accelerate launch the launcher then prints torchrun's own
-    # report of the failed workers (a ChildFailedError traceback of accelerate's launcher, not of this project)
-    assert not re.search(r"^(\[rank\d+\]: )?Traceback", log.split("ChildFailedError")[0], re.M), log[-4000:]
+    # no traceback from a process of the run ("[rankN]: " under accelerate launch, whose launcher then prints
+    # torchrun's own report of the failed workers: a ChildFailedError traceback of accelerate's, not ours)
+    assert not re.search(r"^Traceback" if row["world"] == "1" else r"^\[rank\d+\]: Traceback", log, re.M), log[-4000:]
     assert not os.path.exists(out) or not os.listdir(out)
     shutil.rmtree(out + ".cache", ignore_errors=True)
 
