@@ -16,7 +16,8 @@ update 3 under --max_restarts 1). Each interrupted run is compared with the row'
 - float32 tolerance (rtol 1e-4, atol 1e-5) where the math says equal: fp32, no fp16 gradient compression, and for
   the BatchNorm net no change of world size (per-rank batch statistics and augmentation streams);
 - otherwise within LOOSE (bf16 autocast, fp16 gradient compression): Adam moves a weight by at most ~lr per update,
-  so 4 updates at lr <= 1e-2 differ by less than 0.05.
+  so 4 updates at lr <= 1e-2 differ by less than 0.05; the BatchNorm net resumed on another world size normalises
+  over other batches (another trajectory): within BATCHNORM_WORLD (0.2), a sanity bound only.
 
 Run alone with `pytest -m matrix`; rows run PARALLEL at a time (env MATRIX_JOBS, default 2).
 """
@@ -111,6 +112,7 @@ def cost(name, value) -> int:
 ROWS = pairwise(FACTORS, allowed, cost)
 MAX_STEPS, SAVE_STEPS, FAULT_AT = 6, 2, 3  # checkpoints at 2, 4, 6; faults after update 3: resume from step 2
 LOOSE = dict(rtol=5e-2, atol=5e-2)
+BATCHNORM_WORLD = dict(rtol=0.2, atol=0.2)  # another trajectory, not another rounding: only "close" is promised
 FP32 = dict(rtol=1e-4, atol=1e-5)
 DEADLINE = 300  # seconds one launch may take on a loaded 2-core machine (a cold torch.compile of GPT-2 is slow)
 PROCESSES = {"1": 1, "ddp": 2, "fsdp": 2}
@@ -313,10 +315,9 @@ def tolerance(row) -> dict | None:
     same_world = row["lifecycle"] != "world"
     if same_world and row["precision"] == "no" and not row["compile"] and not row["workers"]:
         return None
-    exact_math = row["precision"] == "no" and row["hook"] == "none"
     if row["model"] == "cifar" and not same_world:
-        exact_math = False  # per-rank BatchNorm statistics and augmentation streams change with the world size
-    return FP32 if exact_math else LOOSE
+        return BATCHNORM_WORLD  # per-rank BatchNorm statistics and augmentation streams change with the world size
+    return FP32 if row["precision"] == "no" and row["hook"] == "none" else LOOSE
 
 
 @pytest.mark.parametrize("rid", IDS)
