@@ -81,6 +81,11 @@ KNOWN_FAILURES = {
     "(torch: 'Invariant encountered: value was None' in _init_sharding_spec_tp), a traceback at start-up",
     (("model", "cifar"), ("world", "fsdp")): "Accelerate 1.15's fsdp2_load_full_state_dict (cpu_ram_efficient_loading) "
     "takes BatchNorm's buffers for DTensors ('Tensor' object has no attribute 'device_mesh'), a traceback at start-up",
+    (
+        ("world", "fsdp"),
+        ("compile", True),
+    ): "--torch_compile under FSDP is refused by accel_trainer.sharding's own check "
+    "with a wrong message ('the model is Sequential under FSDP: it is not sharded (Accelerate falls back to DDP ...)')",
 }
 
 
@@ -91,6 +96,7 @@ def allowed(row: dict) -> bool:
         # refused on purpose (REFUSED)
         not (g("world") == "fsdp" and g("ema")),
         not (g("model") in ("bert", "cifar") and g("world") == "fsdp"),  # KNOWN_FAILURES
+        not (g("world") == "fsdp" and g("compile")),  # KNOWN_FAILURES
         not (g("grad_ckpt") and g("model") in ("reg", "cifar")),
         # not meaningful: the flag does nothing there
         not (g("hook") == "fp16" and g("world") in ("1", "fsdp")),  # a DDP communication hook
@@ -114,7 +120,7 @@ MAX_STEPS, SAVE_STEPS, FAULT_AT = 6, 2, 3  # checkpoints at 2, 4, 6; faults afte
 LOOSE = dict(rtol=5e-2, atol=5e-2)
 BATCHNORM_WORLD = dict(rtol=0.2, atol=0.2)  # another trajectory, not another rounding: only "close" is promised
 FP32 = dict(rtol=1e-4, atol=1e-5)
-DEADLINE = 300  # seconds one launch may take on a loaded 2-core machine (a cold torch.compile of GPT-2 is slow)
+DEADLINE = 600  # seconds one launch may take on a loaded 2-core machine (a cold torch.compile takes minutes there)
 PROCESSES = {"1": 1, "ddp": 2, "fsdp": 2}
 DISTRIBUTED_TYPE = {"1": "NO", "ddp": "MULTI_CPU", "fsdp": "FSDP"}
 OTHER_WORLD = {"1": "ddp", "ddp": "1", "fsdp": "1"}
