@@ -1,5 +1,6 @@
 """accel-trainer: a thin training loop on Hugging Face Accelerate. See README.md and docs/architecture.md."""
 
+from . import faults
 from .args import TrainingArguments, parse_args, resolve_args
 from .errors import UserError
 from .metrics import load_metric
@@ -21,4 +22,6 @@ __all__ = [
     "resolve_args",
     "run",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+faults.keep_early_preemption()  # a launched worker keeps a preemption notice that arrives during set-up

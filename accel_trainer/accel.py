@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -15,10 +16,10 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
-from . import sharding
+from . import precision, sharding
 from .args import TrainingArguments
 from .errors import UserError
-from .topology import launched_world
+from .world import launched_world_size
 
 _COMM_HOOKS = {
     "none": DDPCommunicationHookType.NO,
@@ -29,19 +30,40 @@ _COMM_HOOKS = {
 }
 
 
-def launched_world_size() -> int:
-    """The world size the launcher (accelerate launch / torchrun / SLURM+torchrun) announced; 1 without one."""
-    world = launched_world()
-    return world.num_processes if world else 1
+# What NCCL's watchdog does when a collective fails or times out (--ddp_timeout). torch's default, 3 (SkipCleanUp),
+# ends the process from the watchdog thread: the main thread never sees an exception, so the Trainer cannot name
+# the rank that stopped answering (faults.describe_peer_failure, which gloo reaches). 2 (CleanUpOnly) aborts the
+# communicators, which ends the NCCL kernels still waiting, and leaves the process alive: the failure reaches the
+# main thread as an exception at its next use of the group, and the Trainer names the rank on its gloo side group,
+# then exits 1. Read when the NCCL process group is created. Not yet run on a GPU (docs/fault-tolerance.md).
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def nccl_error_handling(environ=None):
+    """Set NCCL_ERROR_HANDLING unless the user chose a value (under either of torch's names for it)."""
+    environ = os.environ if environ is None else environ
+    name, value = NCCL_ERROR_HANDLING
+    if not environ.get(name) and not environ.get("NCCL_ASYNC_ERROR_HANDLING"):
+        environ[name] = value
+
+
+def process_group_kwargs(timeout_s: float):
+    """Accelerate kwargs handler bounding process-group setup and every collective to `timeout_s` seconds.
+
+    With gloo a collective that waits on a dead peer raises after this timeout; with NCCL the watchdog aborts
+    the communicator after it and, with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (accel.nccl_error_handling), the next
+    use of the group raises (torch's default, 3, ends the process from the watchdog instead).
+    """
+    if not timeout_s or timeout_s <= 0:
+        raise ValueError(f"The process-group timeout must be a positive number of seconds, got {timeout_s!r}.")
+    return InitProcessGroupKwargs(timeout=timedelta(seconds=float(timeout_s)))
 
 
 def build_accelerator(args: TrainingArguments) -> Accelerator:
     # On a machine without CUDA, Accelerate only forms a multi-process (gloo) world when told cpu=True;
     # otherwise every launched process silently becomes its own world of size 1 (measured with accelerate 1.15).
     cpu = args.use_cpu or (launched_world_size() > 1 and not torch.cuda.is_available())
-    if args.mixed_precision == "fp8" and not (
-        torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    ):
+    if args.mixed_precision == "fp8" and not precision.has_fp8(precision.training_device(cpu)):
         raise UserError(
             "--mixed_precision fp8 needs a GPU with compute capability >= 8.9 (Ada, Hopper or newer) "
             "and an fp8 backend (transformer-engine, torchao or MS-AMP); use bf16 here."
@@ -65,7 +87,7 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         ddp.comm_state_option = {"matrix_approximation_rank": args.powersgd_rank}
     handlers = [
         ddp,
-        InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout)),
+        process_group_kwargs(args.ddp_timeout),  # process-group set-up and every collective
         GradScalerKwargs(),  # dynamic loss scaling with torch's defaults; only used under fp16
     ]
     # Accelerate keeps its state in process-wide singletons: a second Trainer in the same notebook or test
@@ -73,6 +95,7 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
     # (the process group, in PartialState, stays).
     AcceleratorState._reset_state()
     GradientState._reset_state()
+    nccl_error_handling()  # before the process group exists (Accelerator creates it)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=args.mixed_precision,  # None: ACCELERATE_MIXED_PRECISION from the launcher/config

@@ -11,7 +11,9 @@ import json
 import os
 import sys
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+from .world import launched_world_size
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
@@ -414,6 +416,15 @@ def user_values(targs: TrainingArguments | None, rargs=None) -> dict[str, Any]:
     return values
 
 
+class ResolvedArgs(NamedTuple):
+    """What `resolve_args` returns and `Trainer(recipe, resolved)` takes as it is: the resolved training arguments,
+    the recipe's arguments and the fields the user set. A tuple, so `targs, rargs, given = resolve_args(...)` works."""
+
+    targs: TrainingArguments
+    rargs: Any  # the recipe's Args instance, or None
+    given: frozenset
+
+
 def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] | None = None, world_size=None):
     """THE argument resolution of a run, for every entry point (python recipes/x.py, accelerate launch,
     accel-trainer train, Trainer.from_recipe, Trainer(recipe, TrainingArguments(...))), so they cannot drift:
@@ -422,10 +433,9 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
 
     The user's values come either from a command line (`argv`, which may start with a YAML/JSON arguments file)
     or from Python (`values`: field names of TrainingArguments or the recipe's Args). `configure` sees which fields
-    the user set (`ctx.given`) and leaves them alone. Returns (TrainingArguments, recipe args or None, given).
+    the user set (`ctx.given`) and leaves them alone. Returns ResolvedArgs(targs, recipe args or None, given).
     A bad flag exits 2 (argparse); a bad keyword raises ArgumentError naming it.
     """
-    from .accel import launched_world_size
     from .recipe import RecipeContext, load_recipe
 
     recipe = load_recipe(recipe)
@@ -448,6 +458,4 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
     if recipe.configure:
         world = world_size if world_size is not None else launched_world_size()
         recipe.configure(RecipeContext(args=rargs, targs=targs, world_size=world, given=given))
-    object.__setattr__(targs, "_resolved", True)  # Trainer(...) then takes these as they are
-    object.__setattr__(targs, "_user_fields", given)
-    return targs, rargs, given
+    return ResolvedArgs(targs, rargs, given)

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="run a recipe file with training arguments", add_help=False)
-    for module in ("wizard", "preflight", "launch", "report"):
+    for module in ("wizard", "check", "launch", "report"):
         # No try/except: a subcommand module that fails to import is a bug (a missing dependency, a typo), and
         # swallowing it made the subcommand silently vanish from --help. Let the ImportError name it.
         importlib.import_module(f"accel_trainer.{module}").add_parser(sub)  # registers it and sets func=...

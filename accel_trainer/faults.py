@@ -1,7 +1,8 @@
 """Faults: preemption signals, elastic restarts, a dead or hung peer rank, and test-only fault injection.
 
 Preemption: while `fit()` runs, SIGTERM and SIGUSR1 (what SLURM, Kubernetes and cloud preemption send) only set
-a flag. At the next update boundary every rank checkpoints and the process exits with `EXIT_PREEMPTED` (75,
+a flag (under `accel-trainer launch`, a SIGUSR1 during set-up too: see keep_early_preemption). At the next
+update boundary every rank checkpoints and the process exits with `EXIT_PREEMPTED` (75,
 EX_TEMPFAIL: "try again later"). With several processes the ranks agree through the all-reduce the update does
 anyway (one more number in it, no extra collective): a signal that reaches one rank stops them all at the same
 step. A second signal ends the process at once (the default action).
@@ -57,6 +58,38 @@ def effective_resume_spec(spec: str | None) -> str | None:
     return spec
 
 
+# Set by `accel-trainer launch` for its workers: they arrive with SIGUSR1 ignored (the launcher ignores it in
+# torchrun's agent, which would otherwise die of it, and an ignored signal stays ignored across exec).
+LAUNCHED_ENV = "ACCEL_TRAINER_LAUNCHED"
+_early_signal: list[str] = []  # a preemption notice that arrived before fit() (at most one)
+
+
+def _early_notice(signum, frame):
+    if _early_signal:  # a second signal: exit at once, as during fit()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _early_signal.append(signal.Signals(signum).name)
+    os.write(  # the launcher reads "[rank N] SIGUSR1 received" to signal each worker once (launch._RECEIVED)
+        2,
+        f"[rank {os.environ.get('RANK', '0')}] {_early_signal[0]} received before training: checkpointing at the "
+        "first update boundary, then exiting (send a signal again to exit at once).\n".encode(),
+    )
+
+
+def keep_early_preemption():
+    """In a worker of `accel-trainer launch`, from `import accel_trainer` on: a SIGUSR1 during set-up (tokenising,
+    loading) is kept for fit(), which checkpoints at its first update boundary and exits EXIT_PREEMPTED, instead
+    of being dropped (ignored until fit() installs its handler). Elsewhere nothing changes."""
+    if os.environ.get(LAUNCHED_ENV) != "1":
+        return
+    try:
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_IGN, signal.SIG_DFL):
+            signal.signal(signal.SIGUSR1, _early_notice)
+    except ValueError:  # imported outside the main thread: no handler can be installed from here
+        pass
+
+
 class PreemptionHandler:
     """Installed by fit() in the main thread; `requested` turns True when one of PREEMPT_SIGNALS arrives."""
 
@@ -80,7 +113,8 @@ class PreemptionHandler:
         )
 
     def __enter__(self):
-        self.requested, self.signal_name = False, None
+        self.requested, self.signal_name = bool(_early_signal), (_early_signal or [None])[0]
+        _early_signal.clear()  # taken: fit() stops at its first update boundary
         for name in PREEMPT_SIGNALS:
             sig = getattr(signal, name, None)
             if sig is None:

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from accel_trainer import sharding, topology
+from accel_trainer import cluster_config, faults, network, sharding, world
 from accel_trainer.errors import UserError
 from accel_trainer.faults import EXIT_PREEMPTED
 
@@ -35,6 +35,10 @@ from accel_trainer.faults import EXIT_PREEMPTED
 _PREEMPTED = re.compile(rf"exiting with code {EXIT_PREEMPTED}\b|exitcode\s*:\s*{EXIT_PREEMPTED}\b")
 _RECEIVED = re.compile(r"\[rank (\d+)\] (SIGUSR1|SIGTERM) received")
 FORWARD_GRACE_S = 2.0  # a signal sent to every process of a job step reaches the workers directly within this
+# After machine 0 is declared lost and this machine's workers are ended, torchrun's agent gets this long to exit by
+# itself, then SIGTERM, then SIGKILL after as long again: under c10d it otherwise waits on the rendezvous store on
+# the unreachable machine 0 (each store operation bounded by read_timeout, and retried) for many minutes.
+AGENT_GRACE_S = 10.0
 
 
 def diagnose(output: str, config=None, machine_rank: int = 0) -> str:
@@ -116,22 +120,23 @@ class Plan:
     machine_rank: int = 0
     max_restarts: int = 0
     notes: list[str] = field(default_factory=list)
-    route: topology.Route | None = None  # machines > 1: how this machine reaches machine 0
-    main_port: int = topology.DEFAULT_PORT
+    route: network.Route | None = None  # machines > 1: how this machine reaches machine 0
+    main_port: int = network.DEFAULT_PORT
     lost_after_s: float | None = None  # machines 1..N-1: stop when machine 0 stops answering for this long
+    rdzv_timeout_s: float = cluster_config.DEFAULT_RDZV_TIMEOUT_S  # how long the rendezvous may wait for the machines
 
 
 def _refuse(msg: str):
     raise UserError(msg)
 
 
-def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S) -> Plan:
+def plan(argv: list[str], rdzv_timeout_s: int = cluster_config.DEFAULT_RDZV_TIMEOUT_S) -> Plan:
     """The `accelerate launch` command and environment for `argv` on this machine; UserError when it would fail."""
     from accelerate.commands.launch import launch_command_parser
 
     args, _ = launch_command_parser().parse_known_args(argv)
-    config = topology.load_config(args.config_file) if args.config_file else None
-    problems = topology.validate_config(config) if config is not None else []
+    config = cluster_config.load_config(args.config_file) if args.config_file else None
+    problems = cluster_config.validate_config(config) if config is not None else []
     problems += sharding.launch_problems(args, config)  # --use_deepspeed; --cpu with an FSDP config
     if problems:
         _refuse(
@@ -141,14 +146,13 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
     at = argv.index(args.training_script)  # our flags go before the script; its own arguments stay after it
     given = {a.split("=")[0] for a in argv[:at]}
     machines = int(args.num_machines or getattr(config, "num_machines", 1) or 1)
-    rank = int(args.machine_rank or 0)
-    if machines > 1 and not 0 <= rank < machines:
-        _refuse(
-            f"--machine_rank {rank} is out of range for {machines} machines (valid: 0..{machines - 1}); "
-            "give each machine its own rank."
-        )
+    # The flag wins, else the config's (a per-machine config from `accelerate config` holds it), as in accelerate.
+    rank = int(args.machine_rank if args.machine_rank is not None else getattr(config, "machine_rank", 0) or 0)
+    problem = world.machine_rank_problem(rank, machines) if machines > 1 else None
+    if problem:
+        _refuse(f"{problem}; give each machine its own rank.")
     host = args.main_process_ip or getattr(config, "main_process_ip", None)
-    port = int(args.main_process_port or getattr(config, "main_process_port", None) or topology.DEFAULT_PORT)
+    port = int(args.main_process_port or getattr(config, "main_process_port", None) or network.DEFAULT_PORT)
     backend = args.rdzv_backend if "--rdzv_backend" in given else getattr(config, "rdzv_backend", None) or "static"
     if config is not None:  # for the diagnosis: the address, port and backend this launch really uses
         config.main_process_ip, config.main_process_port, config.rdzv_backend = host, port, backend
@@ -156,31 +160,50 @@ def plan(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S)
     if machines > 1 and host:
         # Fails at once on a name that does not resolve or an address without a route, instead of after the
         # rendezvous timeout.
-        route = topology.route_to(host, port)
-        new, kept = topology.network_env(route, env)
+        route = network.route_to(host, port)
+        route, fixed = network.loopback_route(route, rank, env)  # machine 0's name resolving to 127.0.1.1
+        if fixed:
+            notes.append(fixed)
+        new, kept = network.network_env(route, env)
         env.update(new)
         notes.append(
             f"machine {rank}: {route.describe()}; "
             + " ".join(f"{k}={v}" for k, v in new.items())
             + (f" (yours kept: {' '.join(f'{k}={v}' for k, v in kept.items())})" if kept else "")
         )
-        if rank > 0 and route.main_ip.startswith("127.") and not route.local_ip.startswith("127."):
-            notes.append(f"machine {rank}: {host} is a loopback address: other machines cannot reach it")
     if machines > 1:
         if "--rdzv_backend" not in given:
             extra += ["--rdzv_backend", backend]
-        conf = args.rdzv_conf if "--rdzv_conf" in given else topology.rdzv_conf(backend, rdzv_timeout_s)
-        conf = topology.host_role(conf or "", backend, rank, route)
+        conf = args.rdzv_conf if "--rdzv_conf" in given else cluster_config.rdzv_conf(backend, rdzv_timeout_s)
+        conf = network.host_role(conf or "", backend, rank, route)
         if "--rdzv_conf" in given:  # the user's value, with the host role added when they did not set it
             argv = _replace_flag(argv[:at], "--rdzv_conf", conf) + argv[at:]
             at = argv.index(args.training_script)
         else:
             extra += ["--rdzv_conf", conf]
+    env[faults.LAUNCHED_ENV] = "1"  # the workers keep a SIGUSR1 during set-up (faults.keep_early_preemption)
     if args.max_restarts and backend == "c10d":
-        env.setdefault(topology.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see topology.py)
+        env.setdefault(cluster_config.RESTART_SAFE_ENV, "1")  # a fresh store per restart round (see cluster_config.py)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *argv[:at], *extra, *argv[at:]]
     lost_after = _ddp_timeout(argv[at + 1 :]) if machines > 1 and rank > 0 and route is not None else None
-    return Plan(cmd, env, config, machines, rank, int(args.max_restarts or 0), notes, route, port, lost_after)
+    rdzv_wait = _rdzv_timeout(cmd, rdzv_timeout_s)
+    return Plan(
+        cmd, env, config, machines, rank, int(args.max_restarts or 0), notes, route, port, lost_after, rdzv_wait
+    )
+
+
+def _rdzv_timeout(cmd: list[str], default: float) -> float:
+    """The rendezvous wait in the command's --rdzv_conf (c10d join_timeout, static timeout), else `default`."""
+    conf = next((cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == "--rdzv_conf"), "")
+    conf = next((a.split("=", 1)[1] for a in cmd if a.startswith("--rdzv_conf=")), conf)
+    for item in conf.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() in ("join_timeout", "timeout"):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    return float(default)
 
 
 def _ddp_timeout(script_args: list[str]) -> float:
@@ -214,7 +237,7 @@ def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
-def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_S) -> int:
+def launch(argv: list[str], rdzv_timeout_s: int = cluster_config.DEFAULT_RDZV_TIMEOUT_S) -> int:
     """Run `accelerate launch <argv>` as planned (see the module docstring). Output is passed through unchanged
     (progress bars included). Exit code: the launcher's, 75 when the workers stopped for a preemption."""
     if not argv or argv[0] in ("-h", "--help"):
@@ -245,6 +268,8 @@ def launch(argv: list[str], rdzv_timeout_s: int = topology.DEFAULT_RDZV_TIMEOUT_
             flush=True,
         )
         return EXIT_PREEMPTED
+    if run.lost and rc < 0:  # the agent ended by the launcher (a signal) after the loss: exit 1, not -15
+        rc = 1
     if rc != 0:
         why = diagnose(output, p.config, p.machine_rank)
         if run.lost:
@@ -275,6 +300,7 @@ class _MachineZeroWatch:
 
         self.route, self.port, self.after = p.route, p.main_port, p.lost_after_s
         self.silent_since: float | None = None
+        self.named = False  # this silence was declared a loss (once per silence)
         self.why = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -300,13 +326,17 @@ class _MachineZeroWatch:
         while not self._stop.is_set():
             ok, why = self._answer()
             if ok:
-                self.silent_since = None
+                self.silent_since, self.named = None, False
             elif self.silent_since is None:
                 self.silent_since, self.why = time.monotonic(), why
             self._stop.wait(self.PROBE_S)
 
     def lost(self) -> bool:
-        return self.silent_since is not None and time.monotonic() - self.silent_since >= self.after
+        silent = self.silent_since
+        return not self.named and silent is not None and time.monotonic() - silent >= self.after
+
+    def silent(self) -> bool:
+        return self.silent_since is not None
 
     def stop(self):
         self._stop.set()
@@ -336,6 +366,9 @@ class _Run:
         self.previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGUSR1, signal.SIGTERM)}
         self.watch = _MachineZeroWatch(p) if p.lost_after_s is not None else None
         self.lost = None  # why machine 0 was declared lost
+        self.workers_ended_at = 0.0  # when _machine_zero_lost ended this machine's workers
+        self.end_agent_at: float | None = None  # when to end torchrun's agent after a loss (see AGENT_GRACE_S)
+        self.agent_termed_at: float | None = None
 
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
@@ -407,6 +440,7 @@ class _Run:
                 self._stop_restarts()
                 if self.watch is not None and self.watch.lost():
                     self._machine_zero_lost()
+                self._end_agent_if_stuck()
             rc = self.proc.wait()
         except KeyboardInterrupt:  # the terminal sent SIGINT to the launcher too; give it a bounded time to stop
             try:
@@ -428,9 +462,49 @@ class _Run:
             f"{w.after:g})"
         )
         os.write(2, f"accel-trainer launch: {self.lost}; ending this machine's workers\n".encode())
-        w.silent_since = None  # once per silence: with --max_restarts the agent may rejoin when it answers again
+        w.named = True  # once per silence: with --max_restarts the agent may rejoin when it answers again
         for _, p in self._workers():
             try:
                 p.kill()
             except Exception:  # noqa: BLE001 - it exited meanwhile
+                pass
+        # Then the agent must exit too. With c10d and --max_restarts it may rejoin when machine 0 answers again:
+        # it gets the rendezvous timeout for that first.
+        wait = AGENT_GRACE_S
+        if self.plan.max_restarts:
+            wait += self.plan.rdzv_timeout_s
+        self.workers_ended_at = time.monotonic()
+        self.end_agent_at = self.workers_ended_at + wait
+
+    def _end_agent_if_stuck(self):
+        """After a loss: end torchrun's agent once its time is up (SIGTERM, then SIGKILL), and whatever it left."""
+        now = time.monotonic()
+        if self.end_agent_at is None or now < self.end_agent_at or self.proc.poll() is not None:
+            return
+        if self.plan.max_restarts and not self.watch.silent():  # machine 0 answers again: the agent rejoins
+            self.end_agent_at = None
+            return
+        if self.agent_termed_at is None:
+            self.agent_termed_at = now
+            os.write(
+                2,
+                f"accel-trainer launch: torchrun's agent still runs {now - self.workers_ended_at:.0f} s after this "
+                "machine's workers ended (it waits on machine 0, where the rendezvous store is); ending it\n".encode(),
+            )
+            self._signal_tree(signal.SIGTERM)
+        elif now - self.agent_termed_at >= AGENT_GRACE_S:
+            self._signal_tree(signal.SIGKILL)
+
+    def _signal_tree(self, sig):
+        """`sig` to the agent and to every process under it (a worker's own children would keep the output open)."""
+        import psutil
+
+        try:
+            procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
                 pass

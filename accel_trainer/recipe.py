@@ -12,22 +12,19 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import ModuleType
 from typing import Any
 
-# The named events a recipe (or a notebook, a bench, a test) can attach to; see accel_trainer/events.py.
-EVENT_HOOKS = (
-    "on_fit_start",
-    "on_update_end",
-    "on_checkpoint_staged",
-    "on_checkpoint_written",
-    "on_evaluate_end",
-    "on_fit_end",
-)
+from .errors import UserError
+from .events import EVENTS
+
+# A recipe attaches to a named event (events.EVENTS, declared there once) by defining `on_<event>`.
+EVENT_HOOKS = tuple(f"on_{event}" for event in EVENTS)
 
 
 @dataclass(frozen=True)
@@ -79,32 +76,87 @@ class Recipe:
     # FSDP: the module classes (or class names) that become their own FSDP unit, for a model without transformers'
     # _no_split_modules; without either, modules over 1M parameters are (sharding.configure_wrapping).
     fsdp_wrap: list | None = None
-    # Events (accel_trainer/events.py): (trainer, ...) -> None; on_evaluate_end may return extra metrics.
-    on_fit_start: Callable | None = None
-    on_update_end: Callable | None = None
-    on_checkpoint_staged: Callable | None = None
-    on_checkpoint_written: Callable | None = None
-    on_evaluate_end: Callable | None = None
-    on_fit_end: Callable | None = None
+    # Events: {"update_end": handler, ...}, collected from the recipe's on_<event> functions (events.EVENTS).
+    events: dict = field(default_factory=dict)
     name: str = "recipe"
+
+    def __post_init__(self):  # Recipe(...) in a notebook is checked like a recipe module
+        check_signatures(f"Recipe {self.name!r}", {f.name: getattr(self, f.name) for f in fields(self)})
+        unknown = set(self.events) - set(EVENTS)
+        if unknown:
+            raise RecipeError(f"Recipe {self.name!r}: unknown events {sorted(unknown)}; the events are {EVENTS}.")
 
     @classmethod
     def from_module(cls, module: Any) -> Recipe:
+        who = f"Recipe {getattr(module, '__file__', None) or getattr(module, '__name__', module)}"
         missing = [n for n in ("build_model", "build_data", "loss") if not callable(getattr(module, n, None))]
         if missing:
-            raise TypeError(
-                f"Recipe {getattr(module, '__name__', module)!r} lacks {', '.join(missing)}: a recipe "
-                "defines build_model(ctx), build_data(ctx) and loss(model, batch) -> (loss, n_items). "
-                "See docs/architecture.md."
+            raise RecipeError(
+                f"{who} lacks {', '.join(missing)}: a recipe defines build_model(ctx), build_data(ctx) and "
+                "loss(model, batch) -> (loss, n_items). See docs/architecture.md."
             )
         if callable(getattr(module, "on_evaluate", None)):  # the 0.1 name of on_evaluate_end: say so, don't ignore
-            raise TypeError(f"Recipe {getattr(module, '__name__', module)!r}: rename on_evaluate to on_evaluate_end.")
-        kw = {f.name: getattr(module, f.name) for f in fields(cls) if hasattr(module, f.name)}
+            raise RecipeError(f"{who}: rename on_evaluate to on_evaluate_end (CHANGELOG.md, 0.2.0).")
+        kw = {f.name: getattr(module, f.name) for f in fields(cls) if f.name != "events" and hasattr(module, f.name)}
+        kw["events"] = {e: getattr(module, f"on_{e}") for e in EVENTS if callable(getattr(module, f"on_{e}", None))}
         if "name" not in kw:
             kw["name"] = getattr(module, "__name__", "recipe").rsplit(".", 1)[-1]
             if kw["name"] == "__main__":
                 kw["name"] = os.path.splitext(os.path.basename(getattr(module, "__file__", "recipe")))[0]
         return cls(**kw)
+
+
+class RecipeError(UserError, TypeError):
+    """A recipe that does not follow the contract. A TypeError too, as it was before 0.2.0 (callers catching that)."""
+
+
+# How many positional arguments the Trainer passes each hook: the contract, once (docs/architecture.md).
+# 0.1.0 builders took (args, targs[, accelerator]); 0.2.0 passes one read-only ctx (CHANGELOG.md).
+CONTRACT = {
+    "build_model": ("ctx",),
+    "build_data": ("ctx",),
+    "loss": ("model", "batch"),
+    "build_optimizer": ("model", "ctx"),
+    "build_scheduler": ("optimizer", "ctx"),
+    "eval_step": ("model", "batch"),
+    "build_metrics": ("ctx",),
+    "configure": ("ctx",),
+}
+
+
+def _fits(fn: Callable, n: int) -> bool:
+    """Whether fn can be called with n positional arguments (False only when its signature says it cannot)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to check, the call will tell
+        return True
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def check_signatures(who: str, hooks: dict) -> None:
+    """Refuse, at load time and in one line, a hook whose signature cannot take what the Trainer passes.
+
+    Why here: a builder written to the 0.1.0 contract (build_model(args, targs)) otherwise fails deep inside the
+    Trainer with a bare "<lambda>() missing 1 required positional argument".
+    """
+    for name, params in CONTRACT.items():
+        fn = hooks.get(name)
+        if fn is not None and callable(fn) and not _fits(fn, len(params)):
+            raise RecipeError(
+                f"{who}: {name}{_shown(fn)} does not fit the recipe contract {name}({', '.join(params)}); since "
+                "0.2.0 every builder takes one read-only ctx (ctx.args, ctx.targs, ctx.accelerator): see CHANGELOG.md."
+            )
+
+
+def _shown(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
 
 
 def load_recipe(spec: Any) -> Recipe:
@@ -126,4 +178,4 @@ def load_recipe(spec: Any) -> Recipe:
             spec = importlib.import_module(spec)
     if isinstance(spec, ModuleType) or hasattr(spec, "build_model"):
         return Recipe.from_module(spec)
-    raise TypeError(f"Cannot make a recipe of {spec!r}.")
+    raise RecipeError(f"Cannot make a recipe of {spec!r}: pass a recipe .py file, a module or a Recipe.")

@@ -24,8 +24,7 @@ def run(recipe, argv: list[str] | None = None) -> dict:
     args = None
     try:
         recipe = load_recipe(recipe)
-        args, recipe_args, _ = resolve_args(recipe, argv)
-        return Trainer(recipe, args, recipe_args).fit()
+        return Trainer(recipe, resolve_args(recipe, argv)).fit()
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -140,7 +140,7 @@ def fsdp_plugin(mixed_precision: str | None = None, reduce_dtype: str | None = N
 def config_problems(config) -> list[str]:
     """What is wrong, sharding-wise, with an accelerate config (a ClusterConfig or its yaml dict) before anything
     is launched: DeepSpeed (refused), FSDP other than version 2, FSDP on CPU with fewer than 2 processes (nothing
-    to shard over). For the wizard and `accel-trainer launch` (topology.validate_config); empty when fine."""
+    to shard over). For the wizard and `accel-trainer launch` (cluster_config.validate_config); empty when fine."""
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     dtype = str(get("distributed_type", "") or "").upper().rsplit(".", 1)[-1]  # DistributedType.FSDP -> FSDP
     if dtype == "DEEPSPEED" or get("deepspeed_config"):

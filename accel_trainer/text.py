@@ -10,13 +10,18 @@ Everything here is a thin wrapper over transformers / datasets; a recipe copied 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
 
+from .hub import is_local_path, is_offline
+
 __all__ = [
     "MissingInputError",
     "load_tokenizer",
+    "recipe_tokenizer",
+    "tokenizer_for",
     "load_config",
     "load_pretrained",
     "load_text_dataset",
@@ -29,25 +34,10 @@ class MissingInputError(FileNotFoundError):
     """A model, tokenizer or dataset that the command line names cannot be found."""
 
 
-def _is_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or os.environ.get(
-        "TRANSFORMERS_OFFLINE", "0"
-    ).lower() in ("1", "true", "yes")
-
-
-def _looks_like_local_path(name: str) -> bool:
-    # A Hub id is "name" or "org/name". Anything absolute, relative with ./ ../ ~, or with more than one
-    # slash can only be a path on disk -- so if it doesn't exist we can say so without asking the Hub
-    # (which, offline, retries for the best part of a minute before failing).
-    return (
-        os.path.isabs(name) or name.startswith(("./", "../", "~", ".\\")) or name.count("/") > 1 or name in (".", "..")
-    )
-
-
 def _check_exists(name: str, what: str, flag: str) -> None:
     if not name:
         raise MissingInputError(f"no {what} given: pass {flag} <Hub id or local folder>.")
-    if _looks_like_local_path(name) and not os.path.exists(os.path.expanduser(name)):
+    if is_local_path(name) and not os.path.exists(os.path.expanduser(name)):
         raise MissingInputError(
             f"{what} path {name!r} does not exist. Pass {flag} an existing folder written by "
             f"`save_pretrained` (with config.json / tokenizer files), or a Hub id such as 'gpt2' "
@@ -62,9 +52,7 @@ def _from_pretrained(load: Callable[..., Any], name: str, what: str, flag: str, 
         return load(os.path.expanduser(name), **kwargs)
     except OSError as err:  # transformers raises OSError for both "no such repo" and "no network"
         where = "local folder" if os.path.isdir(os.path.expanduser(name)) else "Hub id"
-        hint = (
-            " HF_HUB_OFFLINE is set, so only local folders and the local Hub cache are used." if _is_offline() else ""
-        )
+        hint = " HF_HUB_OFFLINE is set, so only local folders and the local Hub cache are used." if is_offline() else ""
         raise MissingInputError(
             f"could not load the {what} from {where} {name!r}: {err}\n"
             f"Fix: pass {flag} a folder written by `save_pretrained`, or a Hub id that exists and is "
@@ -76,6 +64,24 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer_name", **kwargs):
     from transformers import AutoTokenizer
 
     return _from_pretrained(AutoTokenizer.from_pretrained, name_or_path, "tokenizer", flag, **kwargs)
+
+
+@functools.cache
+def recipe_tokenizer(name_or_path: str | None, cache_dir: str | None = None):
+    """The tokenizer a text recipe names (--tokenizer_name, else --model_name_or_path), loaded once per process
+    (build_model, build_data and collate all need it), with a pad token: GPT-2 style tokenizers have none, and
+    padded positions are masked out of attention and loss anyway."""
+    if not name_or_path:
+        raise MissingInputError("no tokenizer: pass --tokenizer_name (Hub id or folder) or --model_name_or_path.")
+    tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path", cache_dir=cache_dir)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def tokenizer_for(args):
+    """`recipe_tokenizer` for a text recipe's Args (fields tokenizer_name, model_name_or_path, cache_dir)."""
+    return recipe_tokenizer(args.tokenizer_name or args.model_name_or_path, args.cache_dir)
 
 
 def load_config(name_or_path: str, flag: str = "--config_name", **kwargs):
@@ -135,7 +141,7 @@ def load_text_dataset(
 
     if not dataset_name:
         raise MissingInputError("no dataset given: pass --dataset_name <Hub id or local folder> or --train_file.")
-    if _looks_like_local_path(dataset_name) and not os.path.exists(os.path.expanduser(dataset_name)):
+    if is_local_path(dataset_name) and not os.path.exists(os.path.expanduser(dataset_name)):
         raise MissingInputError(
             f"dataset path {dataset_name!r} does not exist. Pass --dataset_name an existing local folder "
             f"(Hub layout, e.g. ../shared/data/glue) or a Hub id (needs network)."

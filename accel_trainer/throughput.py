@@ -4,7 +4,8 @@
     items_per_second     the loss's items (samples or target tokens, all-reduced per update) per second
     step_time_s          wall seconds per update (the slowest rank)
     data_wait_fraction   the share of that time spent waiting for the next batch (the slowest rank)
-    peak_memory_mb       GPU max allocated (else the process's peak RSS), the largest rank
+    peak_memory_mb       the peak since the previous row: the accelerator's max allocated (reset at each row), else
+                         the process's peak RSS (reset at each row on Linux), the largest rank
     mfu                  model FLOPs utilisation, when the FLOPs of an update are counted and a peak is known
 
 Costs per update: two perf_counter() calls and a shape lookup; no host sync (the item count stays a device tensor
@@ -14,6 +15,7 @@ already syncs the host for the loss.
 MFU: the FLOPs of the first update on this rank, counted once by torch.utils.flop_counter while it runs (no extra
 forward), times the updates since the last row, over the wall time and the device's peak (--peak_tflops, or the
 table below for a detected GPU). Later updates with other shapes (text of other lengths) are estimated by the first.
+The table is looked up by the exact model name: a GPU it does not list gives no MFU, never another model's.
 """
 
 from __future__ import annotations
@@ -24,22 +26,77 @@ from contextlib import contextmanager
 
 import torch
 
-# Dense bf16/fp16 tensor-core peaks, TFLOP/s, from the vendors' data sheets (SXM parts; no sparsity).
-PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+# Dense bf16/fp16 tensor-core peaks, TFLOP/s, from the vendors' data sheets (no sparsity), by exact model name as
+# torch.cuda.get_device_name() gives it, normalised by gpu_model(). Exact, not substrings: "H100" is also in
+# "H100 PCIe" (756) and "H100 NVL" (835), "A10" in "A10G", "A100" in "RTX A1000", "L4" in "L40".
+PEAK_TFLOPS_BF16 = {
+    "h100 80gb hbm3": 989.0,  # H100 SXM5
+    "h100 pcie": 756.0,
+    "h100 nvl": 835.0,
+    "h200": 989.0,  # H200 SXM
+    "h200 nvl": 835.0,
+    "gh200 480gb": 989.0,
+    "a100 sxm4 80gb": 312.0,
+    "a100 sxm4 40gb": 312.0,
+    "a100 80gb pcie": 312.0,
+    "a100 pcie 40gb": 312.0,
+    "l40s": 362.0,
+    "l40": 181.0,
+    "l4": 121.0,
+    "a10": 125.0,
+}
+
+
+def gpu_model(device_name: str) -> str:
+    """'NVIDIA A100-SXM4-80GB' -> 'a100 sxm4 80gb': no vendor, lower case, one space between words (drivers differ
+    in the vendor prefix and in dashes)."""
+    words = device_name.replace("-", " ").replace("_", " ").lower().split()
+    return " ".join(words[1:] if words[:1] == ["nvidia"] else words)
 
 
 def detected_peak_tflops(mixed_precision: str | None) -> float | None:
     """The peak of the GPU this process uses, for bf16/fp16 training; None when unknown (CPU, fp32, other GPU)."""
     if not torch.cuda.is_available() or mixed_precision not in ("bf16", "fp16"):
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_TFLOPS_BF16.items() if key in name), None)
+    return PEAK_TFLOPS_BF16.get(gpu_model(torch.cuda.get_device_name()))
+
+
+def _allocator_stats(device):
+    """torch's module for `device` when it keeps peak-allocation statistics (torch.cuda, torch.xpu), else None."""
+    module = getattr(torch, torch.device(device).type, None) if device is not None else None
+    has = all(hasattr(module, f) for f in ("max_memory_allocated", "reset_peak_memory_stats"))
+    return module if has and torch.device(device).type != "cpu" else None
 
 
 def peak_memory_mb(device) -> float:
-    if device is not None and torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """The peak since the last reset_peak_memory(device): allocated on an accelerator, else the process's RSS."""
+    stats = _allocator_stats(device)
+    if stats is not None:
+        return stats.max_memory_allocated(device) / 2**20
+    return _peak_rss_mb()
+
+
+def _peak_rss_mb() -> float:
+    # VmHWM: the very value that reset_peak_memory resets; ru_maxrss (a lifetime peak) where /proc is missing.
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def reset_peak_memory(device):
+    """Start a new peak. On a CPU, Linux resets the process's peak RSS (VmHWM) when 5 is written to
+    /proc/self/clear_refs (Linux >= 4.0); elsewhere, or where that is refused, the CPU peak is the lifetime peak."""
+    stats = _allocator_stats(device)
+    if stats is not None:
+        stats.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 class Meter:
@@ -52,6 +109,7 @@ class Meter:
         self._reset(time.perf_counter())
 
     def _reset(self, now: float):
+        reset_peak_memory(self.accelerator.device)  # the next row's peak is its window's, not the run's
         self.since, self.updates, self.samples, self.wait_s, self.excluded_s = now, 0, 0, 0.0, 0.0
         self.items: list = []  # per update: a device tensor (summed at the row, no sync before) or a number
 

@@ -22,6 +22,7 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -40,13 +41,13 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import faults, sharding
+from . import faults, precision, sharding
 from .accel import build_accelerator
-from .args import TrainingArguments, resolve_args, user_values
+from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
 from .events import Events
-from .recipe import EVENT_HOOKS, Recipe, RecipeContext, load_recipe
-from .reporting import Reporter, library_versions, topology
+from .recipe import Recipe, RecipeContext, load_recipe
+from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
@@ -130,34 +131,42 @@ def default_scheduler(optimizer, num_training_steps: int, args: TrainingArgument
 
 
 class Trainer:
-    def __init__(self, recipe, args: TrainingArguments | None = None, recipe_args=None, quiet: bool = False):
+    def __init__(
+        self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
+    ):
         self.recipe: Recipe = load_recipe(recipe)
-        if args is None or not getattr(args, "_resolved", False):
-            # A notebook's TrainingArguments(...) is resolved like the same flags on the command line.
-            args, recipe_args, _ = resolve_args(self.recipe, values=user_values(args, recipe_args))
-        self.args, self.recipe_args = args, recipe_args
+        # resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe Args) is resolved
+        # like the same flags on the command line.
+        resolved = (
+            args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
+        )
+        # A copy: the caller's arguments are not changed (the output folder default, the scaled learning rate), so
+        # they can build another Trainer.
+        args = dataclasses.replace(resolved.targs)
+        self.args, self.recipe_args, self.given = args, resolved.rargs, resolved.given
         if args.output_dir is None:
             args.output_dir = os.path.join("output", self.recipe.name)
 
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
-        self._scale_learning_rate()
+        # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
+        self.base_learning_rate = args.learning_rate
+        args.learning_rate = args.scaled_learning_rate(acc.num_processes)
         resume_path = self._check_output_dir()  # on every rank, before any rank writes
         acc.wait_for_everyone()
         if acc.is_main_process:
             os.makedirs(args.output_dir, exist_ok=True)
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         self.events = Events()
-        for hook in EVENT_HOOKS:
-            if getattr(self.recipe, hook) is not None:
-                self.events.on(hook.removeprefix("on_"), getattr(self.recipe, hook))
+        for event, handler in self.recipe.events.items():
+            self.events.on(event, handler)
         self.ctx = RecipeContext(
-            args=recipe_args,
+            args=self.recipe_args,
             targs=args,
             world_size=acc.num_processes,
             process_index=acc.process_index,
             accelerator=acc,
-            given=getattr(args, "_user_fields", frozenset()),
+            given=self.given,
         )
 
         # Model and data: the recipe's. Loaders first: the number of batches per epoch on this rank (after
@@ -190,6 +199,12 @@ class Trainer:
             acc, model, optimizer, scheduler, wrap=r.fsdp_wrap
         )
         self.sharded = acc.distributed_type == DistributedType.FSDP
+        # fp8 converts only some layers: counted, written to run_config.json, and refused when there are none.
+        self.fp8_layers = None
+        if acc.mixed_precision == "fp8":
+            self.fp8_layers = precision.check_fp8_layers(self.model, str(acc.fp8_backend.value))
+            c = self.fp8_layers
+            self.reporter.print(f"fp8: {c['converted']} of {c['linear']} Linear layers converted ({c['backend']}).")
         # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
         self.ema = (
             AveragedModel(self.unwrapped_model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True)
@@ -231,12 +246,10 @@ class Trainer:
         output_dir="out", max_steps=200, hidden_size=64)` is `python recipes/regression.py --output_dir out
         --max_steps 200 --hidden_size 64`, the same resolved arguments (recipe defaults, presets, then yours)."""
         recipe = load_recipe(recipe)
-        args, recipe_args, _ = resolve_args(recipe, values=values)
-        return cls(recipe, args, recipe_args, quiet=quiet)
+        return cls(recipe, resolve_args(recipe, values=values), quiet=quiet)
 
     def on(self, event: str, handler):
-        """Attach a handler to a named event (events.py): update_end, checkpoint_staged, checkpoint_written,
-        evaluate_end, fit_end."""
+        """Attach a handler to a named event: one of events.EVENTS (the table in events.py says when each fires)."""
         return self.events.on(event, handler)
 
     @property
@@ -248,19 +261,10 @@ class Trainer:
         return self.progress.epoch
 
     # ---------------------------------------------------------------------------------------------------- set-up
-    def _scale_learning_rate(self):
-        """--lr_scaling: the learning rate every builder sees is scaled by this world's global batch. Idempotent:
-        the base value is kept on the arguments, so arguments reused for another Trainer scale from the base."""
-        args = self.args
-        base = getattr(args, "_base_learning_rate", args.learning_rate)
-        object.__setattr__(args, "_base_learning_rate", base)
-        args.learning_rate = base
-        args.learning_rate = args.scaled_learning_rate(self.accelerator.num_processes)
-
     def _check_world(self):
-        # The world this process joined must be the one the launcher/config describe (topology.py): it catches
+        # The world this process joined must be the one the launcher/config describe (world.py): it catches
         # every process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
-        from .topology import check_world
+        from .world import check_world
 
         check_world(self.accelerator)
 
@@ -376,13 +380,14 @@ class Trainer:
                 "updates_per_epoch": self.updates_per_epoch,
                 "learning_rate": {
                     "used": self.args.learning_rate,
-                    "base": self.args._base_learning_rate,
+                    "base": self.base_learning_rate,
                     "scaling": self.args.lr_scaling,
                     "base_batch_size": self.args.lr_base_batch_size,
                 },
                 "args": self.args.to_dict(),
                 "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
                 "topology": topology(self.accelerator),
+                "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
                 # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
                 "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer),
                 "versions": library_versions(),

@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 
-from accel_trainer import topology
+from accel_trainer import cluster_config, network
 from accel_trainer.faults import EXIT_PREEMPTED
 
 MIXED = ("no", "bf16", "fp16")
@@ -36,11 +36,13 @@ def detect() -> dict:
     """What this machine has, to offer as defaults."""
     import torch
 
+    from .precision import has_fast_bf16
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {
         "gpus": gpus,
         "gpu_name": torch.cuda.get_device_name(0) if gpus else None,
-        "bf16": bool(gpus and torch.cuda.is_bf16_supported()),
+        "bf16": bool(gpus) and has_fast_bf16("cuda"),  # native: a V100 emulates it
         "cpus": os.cpu_count() or 1,
     }
 
@@ -112,15 +114,20 @@ def slurm_script(
     `accel-trainer launch` returns; the script then requeues the job (`--requeue`, `scontrol requeue`) and the
     next run continues from the newest checkpoint (`--resume_from_checkpoint auto`)."""
     per = config.num_processes // config.num_machines
+    # --exclusive: the whole node (all its CPUs) for its one task. Without it SLURM allocates one CPU per task, and
+    # the node's workers and their data loader workers would share that one core. srun's step gets every CPU of
+    # the job on the node (srun uses all of them unless --exact).
     gres = "" if config.use_cpu else f"#SBATCH --gpus-per-node={per}\n"
     restarts = f" --max_restarts {max_restarts}" if max_restarts else ""
-    # A fresh rendezvous store per restart round (see topology.RESTART_SAFE_ENV).
-    restart_env = f"export {topology.RESTART_SAFE_ENV}=1\n" if max_restarts and config.rdzv_backend == "c10d" else ""
+    # A fresh rendezvous store per restart round (see cluster_config.RESTART_SAFE_ENV).
+    restart_env = (
+        f"export {cluster_config.RESTART_SAFE_ENV}=1\n" if max_restarts and config.rdzv_backend == "c10d" else ""
+    )
     rdzv = ""
     if config.num_machines > 1:
         rdzv = (
             f" \\\n    --rdzv_backend {config.rdzv_backend} "
-            f"--rdzv_conf {topology.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}"
+            f"--rdzv_conf {cluster_config.rdzv_conf(config.rdzv_backend, rdzv_timeout_s)}"
         )
     requeue_line = "#SBATCH --requeue\n" if requeue else ""
     # Preempted: a launcher said 75, or the notice came and the run did not finish (with several nodes, srun's
@@ -142,6 +149,7 @@ fi
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={config.num_machines}
 #SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
 {gres}#SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR1@{notice_s}
@@ -151,7 +159,7 @@ fi
 # from the newest checkpoint (--resume_from_checkpoint auto). docs/topology.md, "Tested under SLURM".
 set -uo pipefail
 export MAIN_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MAIN_PORT={config.main_process_port or topology.DEFAULT_PORT}
+export MAIN_PORT={config.main_process_port or network.DEFAULT_PORT}
 {restart_env}echo "job $SLURM_JOB_ID start (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST"
 SRUN= NOTICE=
 trap 'NOTICE=1; echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
@@ -172,12 +180,16 @@ echo "job $SLURM_JOB_ID: the launchers exited with $rc"
 
 
 def ask(question, default, parse=str, check=None, why=""):
-    """Ask until the answer parses (and passes `check`); an empty answer takes the default."""
+    """Ask until the answer parses (and passes `check`); an empty answer takes the default (None: no default,
+    an answer is required)."""
     while True:
         try:
-            raw = input(f"{question} [{default}]: ").strip()
+            raw = input(f"{question} [{default}]: " if default is not None else f"{question}: ").strip()
         except EOFError:
             raise SystemExit("config: input ended before all questions were answered; nothing written.") from None
+        if not raw and default is None:
+            print(f"  not valid: {why or 'an answer is required'}")
+            continue
         try:
             value = parse(raw) if raw else (parse(str(default)) if not isinstance(default, bool) else default)
             if check is None or check(value):
@@ -202,6 +214,16 @@ def interactive(a, hw):
     print(f"Detected here: {gpu_line}, bf16 {'yes' if hw['bf16'] else 'no'}, {hw['cpus']} CPU cores.")
     a.machines = ask("How many machines?", a.machines or 1, int, lambda v: v >= 1, "a whole number >= 1")
     a.cpu = not ask("Use GPUs? (yes/no)", "no" if a.cpu or not hw["gpus"] else "yes", yes_no, why="yes or no")
+    if not a.cpu and not hw["gpus"] and not a.skip_device_check:
+        # The common case (a login node writing the GPU machines' config): settle it now, not after every answer.
+        a.skip_device_check = ask(
+            "No GPU is visible here. Is this config for other machines, the GPU machines? (yes: write it, and check "
+            "it there; no: use CPU processes here)",
+            "yes",
+            yes_no,
+            why="yes or no",
+        )
+        a.cpu = not a.skip_device_check
     what = "CPU processes" if a.cpu else "GPUs (processes)"
     a.per_machine = ask(
         f"How many {what} per machine?",
@@ -210,7 +232,25 @@ def interactive(a, hw):
         lambda v: v >= 1,
         "a whole number >= 1",
     )
+    if not a.cpu and 0 < hw["gpus"] < a.per_machine and not a.skip_device_check:
+        a.skip_device_check = ask(
+            f"Only {hw['gpus']} GPUs are visible here. Is this config for other machines? (yes: write it, and "
+            "check it there; no: ask again)",
+            "yes",
+            yes_no,
+            why="yes or no",
+        )
+        if not a.skip_device_check:
+            a.per_machine = ask(
+                f"How many GPUs (processes) per machine, at most {hw['gpus']}?",
+                hw["gpus"],
+                int,
+                lambda v: 1 <= v <= hw["gpus"],
+                f"a whole number 1..{hw['gpus']}",
+            )
     if a.machines > 1:
+        # Never loopback as the default here: the other machines cannot reach it (typed, it is accepted: several
+        # launches on this one machine).
         a.main_ip = ask(
             "Address of machine 0, as every machine reaches it?",
             a.main_ip or _my_address(),
@@ -220,7 +260,7 @@ def interactive(a, hw):
         )
         a.main_port = ask(
             "Port on machine 0 for the rendezvous?",
-            a.main_port or topology.DEFAULT_PORT,
+            a.main_port or network.DEFAULT_PORT,
             int,
             lambda v: 1 <= v <= 65535,
             "a port number 1..65535",
@@ -262,11 +302,18 @@ def interactive(a, hw):
     return a
 
 
-def _my_address() -> str:
+def _my_address() -> str | None:
+    """This machine's address on the network, to offer as machine 0's: the host name's, unless that is loopback
+    (the Debian /etc/hosts line `127.0.1.1 <name>`), else the only non-loopback address; None (no default: the
+    answer is required) when there is none or several."""
     try:
-        return socket.gethostbyname(socket.gethostname())
+        mine = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        mine = None
+    if mine and not network.is_loopback(mine):
+        return mine
+    found = sorted({ip for ip, _ in network.cluster_addresses()})
+    return found[0] if len(found) == 1 else None
 
 
 def default_name(a) -> str:
@@ -297,12 +344,12 @@ def add_arguments(p: argparse.ArgumentParser):
     )
     p.add_argument("--cpu", action="store_true", help="CPU processes (gloo) instead of GPUs")
     p.add_argument("--main-ip", help="address of machine 0 as all machines reach it (several machines)")
-    p.add_argument("--main-port", type=int, help=f"rendezvous port on machine 0 (default {topology.DEFAULT_PORT})")
+    p.add_argument("--main-port", type=int, help=f"rendezvous port on machine 0 (default {network.DEFAULT_PORT})")
     p.add_argument("--rdzv", choices=("static", "c10d"), default=None, help="rendezvous backend (default static)")
     p.add_argument(
         "--rdzv-timeout",
         type=int,
-        default=topology.DEFAULT_RDZV_TIMEOUT_S,
+        default=cluster_config.DEFAULT_RDZV_TIMEOUT_S,
         help="seconds to wait for all machines to join (goes on the launch line)",
     )
     p.add_argument("--max-restarts", type=int, default=0, help="worker restarts after a failure (c10d)")
@@ -362,7 +409,7 @@ def write_config(a) -> int:
     if a.mixed_precision is None:
         a.mixed_precision = "bf16" if hw["bf16"] and not a.cpu else "no"
     if a.machines > 1 and a.main_port is None:
-        a.main_port = topology.DEFAULT_PORT
+        a.main_port = network.DEFAULT_PORT
     if a.machines > 1 and not a.main_ip:
         return _refuse(
             [
@@ -391,7 +438,7 @@ def write_config(a) -> int:
         a.sharding,
         a.zero_stage,
     )
-    problems = topology.validate_config(config, None if a.skip_device_check else hw["gpus"])
+    problems = cluster_config.validate_config(config, None if a.skip_device_check else hw["gpus"])
     if not a.cpu and a.mixed_precision == "bf16" and hw["gpus"] and not hw["bf16"] and not a.skip_device_check:
         problems.append(f"bf16 is not supported by the detected {hw['gpu_name']}; use fp16 or no.")
     if problems:
@@ -406,12 +453,12 @@ def write_config(a) -> int:
     load_config_from_file(path)  # what `accelerate launch` will read; fails loudly if it cannot
 
     print(f"Wrote {path}")
-    print("  " + topology.describe(config).replace("\n", "\n  "))
+    print("  " + cluster_config.describe(config).replace("\n", "\n  "))
     print("Launch (the same file on every machine; only --machine_rank differs):")
     restarts = a.max_restarts if a.rdzv == "c10d" else 0
     shown = range(a.machines) if a.machines <= 4 else (0, 1, a.machines - 1)
     for r in shown:
-        cmd = topology.launch_command(path, config, r, a.script, a.rdzv_timeout, restarts)
+        cmd = cluster_config.launch_command(path, config, r, a.script, a.rdzv_timeout, restarts)
         print(f"  machine {r}: {cmd}")
     if a.machines > 4:
         print(f"  (machines 2..{a.machines - 2}: the same with their own --machine_rank)")
@@ -421,6 +468,14 @@ def write_config(a) -> int:
         f"Check each machine first: accel-trainer check --config_file {path}"
         + (" --machine_rank <r>" if a.machines > 1 else "")
     )
+    if a.skip_device_check and not a.cpu:
+        print(
+            f"Written for other machines: nothing here was compared with their GPUs. On each, `accel-trainer check` "
+            f"confirms {a.per_machine} visible GPU(s), NCCL"
+            + (" and bf16" if a.mixed_precision == "bf16" else "")
+            + (f", and that machine 0's address {a.main_ip} is reachable" if a.machines > 1 else "")
+            + "."
+        )
     if a.slurm:
         spath = os.path.join(a.dir, f"{name}.slurm.sh")
         with open(spath, "w") as f:

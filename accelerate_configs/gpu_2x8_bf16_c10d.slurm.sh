@@ -2,6 +2,7 @@
 #SBATCH --job-name=gpu_2x8_bf16_c10d
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
 #SBATCH --gpus-per-node=8
 #SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append

@@ -24,7 +24,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as recipes/cifar.py does,
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 
@@ -35,7 +34,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import cifar  # noqa: E402
 
-from accel_trainer import Trainer, resolve_args  # noqa: E402
+from accel_trainer import Trainer, resolve_args, throughput  # noqa: E402
 from accel_trainer.recipe import load_recipe  # noqa: E402
 
 
@@ -44,21 +43,24 @@ def sync():
         torch.cuda.synchronize()
 
 
-def peak_memory_mb():
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB; the process's peak RSS
+def peak_memory_mb(trainer):
+    """The run's peak: GPU max allocated, else the process's peak RSS. The Trainer resets the peak at each log row
+    (each row carries its window's peak), so the run's is the largest logged one or the peak since the last row."""
+    logged = []
+    path = os.path.join(trainer.args.output_dir, "metrics.jsonl")
+    if os.path.exists(path):  # written by the main process
+        with open(path) as f:
+            logged = [row["peak_memory_mb"] for row in map(json.loads, filter(str.strip, f)) if "peak_memory_mb" in row]
+    return max([throughput.peak_memory_mb(trainer.accelerator.device), *logged])
 
 
 def one_run(recipe, recipe_argv, seed, target, out_root):
     out = os.path.join(out_root, f"seed{seed}")
     argv = recipe_argv + ["--seed", str(seed), "--output_dir", out, "--overwrite_output_dir", "--disable_tqdm"]
-    targs, rargs, _ = resolve_args(recipe, argv)  # the same resolution as `python recipes/cifar.py ...`
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    resolved = resolve_args(recipe, argv)  # the same resolution as `python recipes/cifar.py ...`
     sync()
     t_wall = time.perf_counter()
-    trainer = Trainer(recipe, targs, rargs, quiet=True)
+    trainer = Trainer(recipe, resolved, quiet=True)
 
     # The per-epoch evals are taken out of the training time (and give the accuracy curve), timed through the
     # Trainer's events: an eval runs between an epoch's last update_end and its evaluate_end.
@@ -100,7 +102,7 @@ def one_run(recipe, recipe_argv, seed, target, out_root):
         "time_to_target_s": reached,
         "images_per_s": n_images / train_s,
         "wall_s": end - t_wall,
-        "peak_memory_mb": peak_memory_mb(),
+        "peak_memory_mb": peak_memory_mb(trainer),
         "curve": [(round(t, 2), e, a) for t, e, a in curve],
         "is_main": trainer.accelerator.is_main_process,
     }

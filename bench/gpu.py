@@ -14,12 +14,16 @@ Checks (rows), GPU mode / CPU reduced mode:
                   no loss scale). CPU: the tiny run (bf16 autocast works on a CPU).
   fp16            the same with fp16: loss scale (last and lowest logged), skipped steps. CPU: skipped -- Accelerate
                   runs fp16 on a CPU as plain fp32 (no autocast, no loss scaler), so there is nothing to check.
-  fp8             the same with fp8 where compute capability >= 8.9 (and an fp8 backend is installed); else skipped.
+  fp8             recipes/causal_lm.py --mixed_precision fp8 on a tiny Llama built here (2 layers, width 256: nn.Linear
+                  layers with features divisible by 16, which Accelerate's fp8 backends convert), where compute
+                  capability >= 8.9 and an fp8 backend is installed, else skipped: the number of layers that ran in
+                  fp8 (the Trainer's count in run_config.json); failed when none did or the loss did not go down.
+                  Not yet run on a GPU. CPU: skipped.
   torch_compile   bench/cifar.py --torch_compile --warmup, 2 seeds: images/s vs the eager cifar_5_seeds row, accuracy.
                   CPU: the tiny run through recipes/cifar.py --torch_compile (inductor; ~30 s of compiling cold).
-  overhead        ms per update of recipes/regression.py (an MLP 256-512-10, batch 64, AdamW, clipping) vs the same
-                  loop hand-written, on the same device, in fresh processes: the Trainer's per-step cost; goal
-                  <= 1.02x. (bench/overhead.py measures the same on the CPU only.)
+  overhead        bench/overhead.py on the GPU, 3 rounds x 600 steps: ms per update of the Trainer vs a hand-written
+                  loop and bare Accelerate, like for like (the same MLP 256-512-512-10, batch 64, data path and
+                  AdamW, no clipping); goal trainer <= 1.02x plain. CPU: bench/overhead.py --cpu, 1 round x 100.
   peak_memory     the largest peak over the cifar_5_seeds runs (torch.cuda.max_memory_allocated; CPU: peak RSS),
                   and the Trainer's own logged peak_memory_mb when present.
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -41,7 +46,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+from harness import ROOT
+
 ROWS = ("cifar_5_seeds", "bf16", "fp16", "fp8", "torch_compile", "overhead", "peak_memory")
 NEEDS_CUDA = "skipped: needs CUDA"
 TINY_CIFAR = ["--widths", "8,16,16", "--batch_size", "40", "--eval_batch_size", "30", "--num_train_epochs", "2"]
@@ -60,20 +67,10 @@ class Suite:
         self.logs = os.path.join(self.out, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.rows: dict[str, dict] = {}
-        self.env = dict(os.environ)
-        self.env.update(
-            HF_HUB_OFFLINE="1",
-            HF_DATASETS_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-            ACCELERATE_DISABLE_RICH="1",
-            PYTHONUNBUFFERED="1",
-            PYTHONPATH=ROOT + os.pathsep + self.env.get("PYTHONPATH", ""),
-        )
-        self.env.pop("WORLD_SIZE", None)
-        if not self.gpu:
-            self.env["OMP_NUM_THREADS"] = "1"  # the reduced mode is about paths, not speed: be light on a shared CPU
-            self.env["CUDA_VISIBLE_DEVICES"] = ""  # --cpu on a GPU machine means the CPU
+        if self.gpu:
+            self.env = harness.child_env(threads=None)
+        else:  # the reduced mode is about paths, not speed: one thread, light on a shared CPU
+            self.env = harness.child_env(threads=1, CUDA_VISIBLE_DEVICES="")  # --cpu on a GPU machine: the CPU
 
     def sh(self, name: str, cmd: list[str], timeout: float | None = None) -> str:
         """Run a command; its output goes to logs/<name>.log. A non-zero exit raises CheckFailed with its last line."""
@@ -185,8 +182,56 @@ def check_fp16(s: Suite) -> dict:
     return _precision_run(s, "fp16", "fp16")
 
 
+def tiny_llama(out: str) -> tuple[str, str]:
+    """The fp8 row's model and text, made here (nothing downloaded): a 2-layer, 256-wide Llama config whose 14
+    projections are nn.Linear with features that are multiples of 16 (tests/text_fixtures.py), a BPE tokenizer,
+    and 4000 lines of generated sentences. Returns (model folder, text file)."""
+    folder, text = os.path.join(out, "tiny_llama"), os.path.join(out, "tiny_llama.txt")
+    if not os.path.isfile(text):
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from text_fixtures import make_tiny_llama, sentences
+
+        lines = sentences(4000)
+        make_tiny_llama(folder, lines)
+        with open(text, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return folder, text
+
+
+def fp8_command(s: Suite, precision: str, steps: int = 60) -> tuple[list[str], str]:
+    """recipes/causal_lm.py on the tiny Llama: the command of the fp8 row, and its output folder."""
+    folder, text = tiny_llama(s.out)
+    out = os.path.join(s.out, f"llama_{precision}")
+    cmd = [sys.executable, "recipes/causal_lm.py", "--config_name", folder, "--tokenizer_name", folder]
+    cmd += ["--train_file", text, "--block_size", "128", "--per_device_train_batch_size", "16"]
+    cmd += ["--max_steps", str(steps), "--learning_rate", "1e-3", "--logging_steps", "10", "--save_steps", "0"]
+    cmd += ["--sample_max_new_tokens", "0", "--mixed_precision", precision, "--seed", "0"]
+    cmd += ["--output_dir", out, "--overwrite_output_dir", "--disable_tqdm"]
+    return cmd, out
+
+
 def check_fp8(s: Suite) -> dict:
-    return _precision_run(s, "fp8", "fp8")
+    # Not the CIFAR net: its only Linear (256 -> 10) is one no fp8 backend converts, so an fp8 "run" of it was bf16.
+    # The Trainer counts the converted layers (run_config.json "fp8_layers") and refuses a run with none.
+    cmd, out = fp8_command(s, "fp8")
+    s.sh("fp8", cmd)
+    with open(os.path.join(out, "run_config.json")) as f:
+        config = json.load(f)
+    used, layers = config["topology"]["mixed_precision"], config.get("fp8_layers") or {}
+    if used != "fp8":
+        raise CheckFailed(f"asked for --mixed_precision fp8, the run used {used!r}")
+    if not layers.get("converted"):
+        raise CheckFailed(f"no layer ran in fp8 (run_config.json fp8_layers: {layers or 'absent'}): a bf16 run")
+    losses = [r["loss"] for r in read_rows(out) if "loss" in r]
+    if not losses or not all(map(math.isfinite, losses)) or losses[-1] >= losses[0]:
+        raise CheckFailed(f"fp8 training did not lower the loss: {losses}")
+    m = {"fp8_layers": layers["converted"], "linear_layers": layers["linear"], "backend": layers.get("backend"),
+         "loss_first": losses[0], "loss_last": losses[-1]}  # fmt: skip
+    summary = (
+        f"{m['fp8_layers']} of {m['linear_layers']} Linear layers in fp8 ({m['backend']}), tiny Llama loss "
+        f"{m['loss_first']:.3f} -> {m['loss_last']:.3f}"
+    )
+    return {"metrics": m, "summary": summary}
 
 
 def check_compile(s: Suite) -> dict:
@@ -218,94 +263,30 @@ def check_compile(s: Suite) -> dict:
     return {"metrics": m, "summary": summary}
 
 
-OVERHEAD_MODEL = {"num_features": 256, "hidden_size": 512, "num_targets": 10}
-
-
-def plain_overhead_loop(steps: int, log_every: int, batch: int) -> list[tuple[int, float]]:
-    """The regression recipe's model, data, loss, AdamW, linear schedule and clipping, written by hand; returns
-    (step, seconds) stamps every `log_every` updates, taken after a host sync on the loss (as a log row does)."""
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, Dataset
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    f, h, t, n = (
-        OVERHEAD_MODEL["num_features"],
-        OVERHEAD_MODEL["hidden_size"],
-        OVERHEAD_MODEL["num_targets"],
-        steps * batch,
-    )
-    w = torch.randn(f, t, generator=torch.Generator().manual_seed(0))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, f, generator=g)
-    y = torch.tanh(x @ w) + 0.1 * torch.randn(n, t, generator=g)
-    mask = torch.ones(n, t)
-
-    class Data(Dataset):
-        def __len__(self):
-            return n
-
-        def __getitem__(self, i):
-            return {"x": x[i], "y": y[i], "mask": mask[i]}
-
-    torch.manual_seed(42)
-    model = nn.Sequential(nn.Linear(f, h), nn.Tanh(), nn.Dropout(0.0), nn.Linear(h, t)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / steps))
-    stamps, step = [], 0
-    for b in DataLoader(Data(), batch_size=batch, shuffle=True):
-        b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-        err = (model(b["x"]) - b["y"]) ** 2 * b["mask"]
-        loss = err.sum() / b["mask"].sum().clamp(min=1)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        if step % log_every == 0:
-            loss.item()
-            stamps.append((step, time.perf_counter()))
-        if step == steps:
-            break
-    return stamps
-
-
-def ms_per_step(stamps) -> float:
-    """Median ms per update over the intervals between stamps, the first interval (warm-up) left out."""
-    per = [(t1 - t0) / (s1 - s0) * 1e3 for (s0, t0), (s1, t1) in zip(stamps, stamps[1:])]
-    return statistics.median(per[1:] if len(per) > 2 else per)
-
-
 def check_overhead(s: Suite) -> dict:
-    steps, every, batch = (600, 50, 64) if s.gpu else (200, 25, 64)
-    rounds = 3 if s.gpu else 1
-    plain, trainer = [], []
-    for r in range(rounds):  # interleaved, fresh processes each
-        text = s.sh(
-            f"overhead_plain_{r}",
-            [sys.executable, __file__, "--_plain_overhead", f"{steps},{every},{batch}"]
-            + (["--cpu"] if not s.gpu else []),
-        )
-        stamps = json.loads([line for line in text.splitlines() if line.startswith("STAMPS ")][-1][7:])
-        plain.append(ms_per_step(stamps))
-        out = os.path.join(s.out, f"overhead_trainer_{r}")
-        cmd = [sys.executable, "recipes/regression.py", "--output_dir", out, "--overwrite_output_dir"]
-        for k, v in OVERHEAD_MODEL.items():
-            cmd += [f"--{k}", str(v)]
-        cmd += ["--num_train_samples", str(steps * batch), "--num_eval_samples", "0", "--max_grad_norm", "1.0"]
-        cmd += ["--per_device_train_batch_size", str(batch), "--max_steps", str(steps), "--logging_steps", str(every)]
-        cmd += ["--save_steps", "0", "--disable_tqdm"] + (["--use_cpu"] if not s.gpu else [])
-        s.sh(f"overhead_trainer_{r}", cmd)
-        trainer.append(ms_per_step([(row["step"], row["elapsed_s"]) for row in read_rows(out) if "loss" in row]))
+    # bench/overhead.py, not a loop of this file's own: there the hand-written loop, bare Accelerate and the Trainer
+    # share the model, the data path (a DataLoader, batches moved to the device) and the optimizer (one AdamW
+    # group, no clipping), on the same device; an earlier version of this row compared the regression recipe
+    # (decay/no-decay groups, clipping, its own data) with a loop that had neither.
+    rounds, steps = (3, 600) if s.gpu else (1, 100)
+    cmd = [sys.executable, "bench/overhead.py", "--rounds", str(rounds), "--steps", str(steps)]
+    text = s.sh("overhead", cmd + ([] if s.gpu else ["--cpu"]))
+    result = json.loads([line for line in text.splitlines() if line.startswith("RESULT ")][-1][7:])
+    ms = result["ms_per_step"]
     m = {
-        "plain_ms_per_step": statistics.median(plain),
-        "trainer_ms_per_step": statistics.median(trainer),
+        "plain_ms_per_step": ms["plain"],
+        "accelerate_ms_per_step": ms["accel"],
+        "trainer_ms_per_step": ms["trainer"],
+        "logged_ms_per_step": ms["logged"],
         "rounds": rounds,
         "steps": steps,
+        "device": result["device"],
     }
     m["ratio"] = m["trainer_ms_per_step"] / m["plain_ms_per_step"]
-    summary = f"trainer {m['trainer_ms_per_step']:.3f} vs plain {m['plain_ms_per_step']:.3f} ms/step: x{m['ratio']:.3f}"
+    summary = (
+        f"trainer {m['trainer_ms_per_step']:.3f} vs plain {m['plain_ms_per_step']:.3f} ms/step: x{m['ratio']:.3f} "
+        f"(bare Accelerate {m['accelerate_ms_per_step']:.3f})"
+    )
     return {
         "metrics": m,
         "summary": summary,
@@ -345,8 +326,10 @@ def skip_reason(s: Suite, name: str) -> str | None:
             return f"{NEEDS_CUDA} (compute capability >= 8.9)"
         import torch
 
-        cc = torch.cuda.get_device_capability()
-        if cc < (8, 9):
+        from accel_trainer.precision import has_fp8
+
+        if not has_fp8("cuda"):
+            cc = torch.cuda.get_device_capability()
             return f"skipped: needs compute capability >= 8.9 (this GPU: {cc[0]}.{cc[1]})"
         from accelerate.utils import is_msamp_available, is_torchao_available, is_transformer_engine_available
 
@@ -389,13 +372,7 @@ def main():
     p.add_argument("--out", default="runs/gpu_suite", help="runs, logs and (default) the JSON go here")
     p.add_argument("--json", default=None, help="the table as JSON (default: OUT/suite.json)")
     p.add_argument("--timeout", type=float, default=600, help="seconds any one command may take")
-    p.add_argument("--_plain_overhead", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-
-    if a._plain_overhead:  # a fresh process for the hand-written loop of the overhead row
-        steps, every, batch = map(int, a._plain_overhead.split(","))
-        print("STAMPS " + json.dumps(plain_overhead_loop(steps, every, batch)), flush=True)
-        return 0
 
     import torch
 

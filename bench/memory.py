@@ -22,13 +22,13 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+import harness
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,35 +137,18 @@ def worker(args):
             json.dump(rows, f)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_mode(mode: str, args, folder: str) -> list[dict]:
     out = os.path.join(folder, f"{mode}.json")
     me = [os.path.abspath(__file__), "--worker", mode, "--out", out]
     me += [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "vocab", "seq", "batch", "steps")]
-    if mode == "single":
-        cmd = [sys.executable, *me]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1"]
-        cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1"]
-        cmd += ["--main_process_port", str(_port())]
-        if mode == "ddp":
-            cmd += ["--multi_gpu"]
-        else:
-            cmd += ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
-        cmd += me
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    cmd = harness.launch_cmd(1 if mode == "single" else 2, mode=harness.FSDP2 if mode == "fsdp" else ("--multi_gpu",))
+    env = harness.child_env(args.threads)
     if not args.glibc_default:
         # glibc raises its mmap threshold as large blocks are freed (up to 32 MiB), after which freed tensors stay
         # in the heap and in RSS: the RSS of a process that built the full model and then sharded it would say
         # little about what it holds. A fixed 1 MiB threshold returns freed tensors to the OS.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(cmd + me, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         sys.exit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     with open(out) as f:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -45,89 +44,33 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+from harness import ROOT, launch_cmd
+
 RECIPE = os.path.join(ROOT, "recipes", "regression.py")
 
 
-def child_env() -> dict:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        ACCELERATE_DISABLE_RICH="1",
-        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable]
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(nproc),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_ip",
-        "127.0.0.1",
-        "--main_process_port",
-        str(free_port()),
-    ]
-
-
 def recipe_args(a, out: str, per_device: int) -> list[str]:
-    return [
-        "--output_dir",
-        out,
-        "--num_features",
-        str(a.features),
-        "--hidden_size",
-        str(a.hidden),
-        "--num_targets",
-        str(a.targets),
-        "--num_train_samples",
-        str(a.global_batch * 8),
-        "--num_eval_samples",
-        "0",
-        "--per_device_train_batch_size",
-        str(per_device),
-        "--max_steps",
-        str(a.steps),
-        "--logging_steps",
-        str(a.log_every),
-        "--save_steps",
-        "0",
-        "--disable_tqdm",
-    ]
+    return harness.flags(
+        output_dir=out,
+        num_features=a.features,
+        hidden_size=a.hidden,
+        num_targets=a.targets,
+        num_train_samples=a.global_batch * 8,
+        num_eval_samples=0,
+        per_device_train_batch_size=per_device,
+        max_steps=a.steps,
+        logging_steps=a.log_every,
+        save_steps=0,
+        disable_tqdm=True,
+    )
 
 
 def throughput(out: str, global_batch: int) -> tuple[float, int]:
     """Samples/s of a run, the median over its log intervals (robust to a short burst of load from elsewhere),
     and its world size from run_config.json."""
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if "loss" in r]
-    with open(os.path.join(out, "run_config.json")) as f:
-        world = json.load(f)["topology"]["num_processes"]
+    rows = [r for r in harness.read_metrics(out) if "loss" in r]
+    world = harness.read_run_config(out)["topology"]["num_processes"]
     rates = [
         (b["step"] - a["step"]) * global_batch / (b["elapsed_s"] - a["elapsed_s"])
         for a, b in zip(rows, rows[1:])
@@ -137,7 +80,7 @@ def throughput(out: str, global_batch: int) -> tuple[float, int]:
 
 
 def start(cmd: list[str], log: str) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=harness.child_env(), cwd=ROOT)
 
 
 def wait(procs: list[subprocess.Popen], logs: list[str], timeout: float):
@@ -150,9 +93,7 @@ def wait(procs: list[subprocess.Popen], logs: list[str], timeout: float):
                 q.kill()
             sys.exit(f"error: a run took longer than {timeout:.0f} s (see {log}); pass fewer --steps.")
         if rc != 0:
-            with open(log) as f:
-                tail = f.read()[-3000:]
-            sys.exit(f"error: a run failed with exit {rc}; its output ends with:\n{tail}")
+            harness.exit_with_log("a run", rc, log)
 
 
 def trainer_runs(a, tmp: str, round_: int) -> dict[str, float]:
@@ -161,27 +102,27 @@ def trainer_runs(a, tmp: str, round_: int) -> dict[str, float]:
     # 1 process
     out = os.path.join(tmp, f"r{round_}_1proc")
     log = out + ".log"
-    wait([start(launch(1) + [RECIPE] + recipe_args(a, out, g), log)], [log], a.timeout)
+    wait([start(launch_cmd(1) + [RECIPE] + recipe_args(a, out, g), log)], [log], a.timeout)
     res["1 proc"], world = throughput(out, g)
     assert world == 1, world
     # 2 processes, one DDP world
     out = os.path.join(tmp, f"r{round_}_ddp")
     log = out + ".log"
-    wait([start(launch(2) + [RECIPE] + recipe_args(a, out, half), log)], [log], a.timeout)
+    wait([start(launch_cmd(2) + [RECIPE] + recipe_args(a, out, half), log)], [log], a.timeout)
     res["2 procs DDP"], world = throughput(out, g)
     if world != 2:
         sys.exit(f"error: accelerate launch formed a world of {world}, not 2; see {log}")
     # 2 independent processes at the same time: each does half the global batch, nothing is communicated
     outs = [os.path.join(tmp, f"r{round_}_alone{i}") for i in range(2)]
     logs = [o + ".log" for o in outs]
-    procs = [start(launch(1) + [RECIPE] + recipe_args(a, o, half), lg) for o, lg in zip(outs, logs)]
+    procs = [start(launch_cmd(1) + [RECIPE] + recipe_args(a, o, half), lg) for o, lg in zip(outs, logs)]
     wait(procs, logs, a.timeout)
     res["2 procs alone"] = sum(throughput(o, half)[0] for o in outs)
     # DDP variants that move less data or communicate less often (--ddp_variants)
     for i, flags in enumerate(a.ddp_variants):
         out = os.path.join(tmp, f"r{round_}_ddp_variant{i}")
         log = out + ".log"
-        wait([start(launch(2) + [RECIPE] + recipe_args(a, out, half) + flags.split(), log)], [log], a.timeout)
+        wait([start(launch_cmd(2) + [RECIPE] + recipe_args(a, out, half) + flags.split(), log)], [log], a.timeout)
         res[f"2 procs DDP {flags}"], world = throughput(out, g)
         if world != 2:
             sys.exit(f"error: accelerate launch formed a world of {world}, not 2; see {log}")
@@ -269,7 +210,7 @@ def _probe_worker(rank: int, a, port: int, queue):
 def comm_probe(a) -> dict:
     import torch.multiprocessing as mp
 
-    for k, v in child_env().items():
+    for k, v in harness.child_env().items():
         if k.endswith("_THREADS"):
             os.environ[k] = v
     ctx = mp.get_context("spawn")
@@ -286,13 +227,6 @@ def comm_probe(a) -> dict:
     for p in procs:
         p.join(timeout=30)
     return results
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def main():
@@ -319,9 +253,9 @@ def main():
     a = p.parse_args()
     if a.global_batch % 2 or a.steps <= a.log_every:
         p.error("--global_batch must be even and --steps larger than --log_every")
-    a._port = free_port()
+    a._port = harness.free_port()
 
-    load_before = loadavg()
+    load_before = harness.loadavg()
     t_start = time.perf_counter()
     rounds, tput, ratio, ceiling = [], {}, None, None
     if not a.probe_only:
@@ -329,7 +263,7 @@ def main():
             rounds = [trainer_runs(a, tmp, r) for r in range(a.rounds)]
         tput = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     probe = {} if a.no_probe else comm_probe(a)
-    load_after = loadavg()
+    load_after = harness.loadavg()
 
     import torch
 
@@ -370,21 +304,18 @@ def main():
             "(if only the bare all_reduce were exposed)"
         )
     print(f"\nbench wall time {time.perf_counter() - t_start:.0f} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(
-                {
-                    "args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
-                    "throughput": tput,
-                    "rounds": rounds,
-                    "ratio_ddp_over_1proc": ratio,
-                    "ratio_alone_over_1proc": ceiling,
-                    "probe": {str(k): v for k, v in probe.items()},
-                    "loadavg": [load_before, load_after],
-                },
-                f,
-                indent=1,
-            )
+    harness.write_json(
+        a.json,
+        {
+            "args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
+            "throughput": tput,
+            "rounds": rounds,
+            "ratio_ddp_over_1proc": ratio,
+            "ratio_alone_over_1proc": ceiling,
+            "probe": {str(k): v for k, v in probe.items()},
+            "loadavg": [load_before, load_after],
+        },
+    )
 
 
 if __name__ == "__main__":

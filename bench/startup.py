@@ -24,29 +24,16 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+from harness import ROOT
+
 STEPS = 3
-
-
-def child_env() -> dict:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        ACCELERATE_DISABLE_RICH="1",
-        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    env.pop("WORLD_SIZE", None)
-    return env
 
 
 def plain_script(out: str) -> None:
@@ -74,66 +61,24 @@ def plain_script(out: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / STEPS))
     os.makedirs(out, exist_ok=True)
-    step = 0
-    for batch in DataLoader(Data(), batch_size=16, shuffle=True):
-        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
+
+    def log_row(step, loss):
         with open(os.path.join(out, "metrics.jsonl"), "a") as f:
             row = {"step": step, "elapsed_s": time.perf_counter() - t0, "loss": loss.item()}
             f.write(json.dumps(row) + "\n")
-        if step == STEPS:
-            break
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
+    mse = lambda model, batch: ((model(batch["x"]) - batch["y"]) ** 2).mean()  # noqa: E731
+    loader = DataLoader(Data(), batch_size=16, shuffle=True)
+    harness.hand_written_loop(model, loader, mse, opt, sched, STEPS, max_grad_norm=1.0, after_update=log_row)
 
 
 def time_to_first_row(cmd: list[str], out: str, timeout: float, cpu: bool) -> tuple[float, float | None, float]:
     """(seconds from start to the first complete metrics.jsonl row, CPU seconds then, seconds to exit)."""
-    metrics = os.path.join(out, "metrics.jsonl")
-    log = open(out + ".log", "w")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
-    first = first_cpu = None
-    while True:
-        if first is None:
-            try:
-                with open(metrics) as f:
-                    if f.readline().endswith("\n"):
-                        first = time.perf_counter() - t0
-                        first_cpu = cpu_seconds(proc.pid) if cpu else None
-            except FileNotFoundError:
-                pass
-        rc = proc.poll()
-        if rc is not None:
-            break
-        if time.perf_counter() - t0 > timeout:
-            proc.kill()
-            sys.exit(f"error: {' '.join(cmd[:3])} ... took longer than {timeout:.0f} s; see {out}.log")
-        time.sleep(0.002)
-    end = time.perf_counter() - t0
-    log.close()
-    if rc != 0 or first is None:
-        with open(out + ".log") as f:
-            sys.exit(f"error: {' '.join(cmd)} failed (exit {rc}, first row: {first}):\n{f.read()[-3000:]}")
-    return first, first_cpu, end
+    rc, stamps, end = harness.watch(cmd, out, timeout, env=harness.child_env(), cwd=ROOT, rows=1)
+    if rc != 0 or not stamps:
+        harness.exit_with_log(f"{' '.join(cmd)} (first row: {'yes' if stamps else 'none'})", rc, out + ".log")
+    first, first_cpu = stamps[0]
+    return first, first_cpu if cpu else None, end
 
 
 def time_to_exit(cmd: list[str], timeout: float) -> tuple[float, float, float]:
@@ -142,7 +87,7 @@ def time_to_exit(cmd: list[str], timeout: float) -> tuple[float, float, float]:
         return r.ru_utime + r.ru_stime
 
     c0, t0 = children_cpu(), time.perf_counter()
-    subprocess.run(cmd, check=True, env=child_env(), cwd=ROOT, timeout=timeout, capture_output=True)
+    subprocess.run(cmd, check=True, env=harness.child_env(), cwd=ROOT, timeout=timeout, capture_output=True)
     t = time.perf_counter() - t0
     return t, children_cpu() - c0, t
 
@@ -162,8 +107,6 @@ def main():
     py = sys.executable
     recipe = os.path.join(ROOT, "recipes", "regression.py")
     recipe_args = ["--logging_steps", "1", "--max_steps", str(STEPS), "--save_steps", "0", "--disable_tqdm"]
-    launch2 = [py, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    launch2 += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1"]
     rows = {
         'python -c "import torch"': lambda out: time_to_exit([py, "-c", "import torch"], a.timeout),
         'python -c "import accel_trainer"': lambda out: time_to_exit([py, "-c", "import accel_trainer"], a.timeout),
@@ -176,7 +119,7 @@ def main():
     }
     if not a.no_2proc:
         rows["trainer, accelerate launch 2 procs"] = lambda out: time_to_first_row(
-            launch2 + ["--main_process_port", str(free_port()), recipe, "--output_dir", out, *recipe_args],
+            harness.launch_cmd(2) + [recipe, "--output_dir", out, *recipe_args],
             out,
             a.timeout,
             False,
@@ -186,7 +129,7 @@ def main():
         for r in range(a.rounds):
             for i, (name, fn) in enumerate(rows.items()):
                 results[name].append(fn(os.path.join(tmp, f"r{r}_{i}")))
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = harness.loadavg()
 
     def med(name, k):
         vals = [t[k] for t in results[name] if t[k] is not None]
@@ -209,9 +152,7 @@ def main():
         f"  trainer / plain to first update: {med(trainer, 0) / med(plain, 0):.2f}x wall, "
         f"{(med(trainer, 1) or 0) / (med(plain, 1) or 1):.2f}x CPU; difference {med(trainer, 0) - med(plain, 0):+.2f} s"
     )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rounds": results, "loadavg_end": load}, f, indent=1)
+    harness.write_json(a.json, {"rounds": results, "loadavg_end": load})
 
 
 if __name__ == "__main__":

@@ -35,32 +35,23 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+from harness import ROOT
+
 LR = 5e-4
 
 
 def child_env(threads: int, work: str) -> dict:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_CACHE=os.path.join(work, "hf_datasets_cache"),
-        TOKENIZERS_PARALLELISM="false",
-        ACCELERATE_DISABLE_RICH="1",
-        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    env.pop("WORLD_SIZE", None)
-    return env
+    return harness.child_env(threads, HF_DATASETS_CACHE=os.path.join(work, "hf_datasets_cache"))
 
 
 # ------------------------------------------------------------------------------------------------ set-up
 def make_inputs(work: str, a) -> dict:
     """Tokenizer folder, config folder and train/validation text in `work` (built once per bench run)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, PreTrainedTokenizerFast
+    from transformers import GPT2Config
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from text_fixtures import byte_level_bpe  # the tests' tiny GPT-2 tokenizer, at this bench's vocabulary size
 
     rng = random.Random(0)
     letters = "etaoinshrdlucmfwypvbgk"
@@ -81,21 +72,7 @@ def make_inputs(work: str, a) -> dict:
         with open(paths[split], "w") as f:
             f.write("\n".join(text) + "\n")
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        train,
-        trainers.BpeTrainer(
-            vocab_size=a.vocab_size,
-            special_tokens=["<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
-    )
+    tokenizer = byte_level_bpe(train, vocab_size=a.vocab_size)
     tok_dir, cfg_dir = os.path.join(work, "tokenizer"), os.path.join(work, "config")
     tokenizer.save_pretrained(tok_dir)
     GPT2Config(
@@ -160,21 +137,15 @@ def worker_plain(a, inputs: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / a.steps))
     loader = DataLoader(TensorDataset(blocks), batch_size=a.batch_size, shuffle=True, drop_last=True)
-    step, stamps = 0, []
-    while step < a.steps:
-        for (x,) in loader:
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            if step % a.log_every == 0:
-                loss.item()  # the host sync a logging loop does; it ends the step's work on any device
-                stamps.append(stamp(step))
-            if step == a.steps:
-                break
+    stamps = []
+
+    def log(step, loss):
+        if step % a.log_every == 0:
+            loss.item()  # the host sync a logging loop does; it ends the step's work on any device
+            stamps.append(stamp(step))
+
+    lm_loss = lambda model, batch: model(input_ids=batch[0], labels=batch[0], use_cache=False).loss  # noqa: E731
+    harness.hand_written_loop(model, loader, lm_loss, opt, sched, a.steps, max_grad_norm=1.0, after_update=log)
     return rate(stamps, a.batch_size * a.block_size)
 
 
@@ -219,79 +190,33 @@ def worker_hf(a, inputs: dict, out: str) -> dict:
     return rate(stamps, a.batch_size * a.block_size)
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a running process (all its threads) from /proc; None where there is no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def run_accel_trainer(a, inputs: dict, work: str, out: str) -> dict:
     """The recipe through its command line. Wall time per interval comes from metrics.jsonl's elapsed_s; CPU
     time is read from /proc when a new row appears (polled every 2 ms; /proc has 10 ms resolution, <1% of an
     interval here)."""
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "recipes", "causal_lm.py"),
-        "--config_name",
-        inputs["config"],
-        "--tokenizer_name",
-        inputs["tokenizer"],
-        "--train_file",
-        inputs["train"],
-        "--validation_file",
-        inputs["validation"],
-        "--block_size",
-        str(a.block_size),
-        "--per_device_train_batch_size",
-        str(a.batch_size),
-        "--learning_rate",
-        str(LR),
-        "--max_steps",
-        str(a.steps),
-        "--logging_steps",
-        str(a.log_every),
-        "--max_grad_norm",
-        "1.0",
-        "--save_steps",
-        "0",
-        "--sample_max_new_tokens",
-        "0",
-        "--seed",
-        str(a.seed),
-        "--use_cpu",
-        "--output_dir",
-        out,
-        "--disable_tqdm",
-    ]
-    log = out + ".log"
-    metrics = os.path.join(out, "metrics.jsonl")
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=child_env(a.threads, work), cwd=work)
-        cpu_at_row, seen, deadline = [], 0, time.monotonic() + a.timeout
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                proc.kill()
-                sys.exit(f"error: recipes/causal_lm.py took longer than {a.timeout:.0f} s; see {log}")
-            try:
-                with open(metrics) as f:
-                    n = sum(1 for line in f if line.endswith("\n"))
-            except FileNotFoundError:
-                n = 0
-            if n > seen:
-                cpu = _cpu_seconds(proc.pid)
-                cpu_at_row += [cpu] * (n - seen)  # rows that appeared together get the same reading
-                seen = n
-            time.sleep(0.002)
-    if proc.returncode != 0:
-        with open(log) as f:
-            sys.exit(f"error: recipes/causal_lm.py failed (exit {proc.returncode}):\n{f.read()[-3000:]}")
-    with open(metrics) as f:
-        rows = [json.loads(line) for line in f]
-    cpu_at_row += [None] * (len(rows) - len(cpu_at_row))
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "causal_lm.py")] + harness.flags(
+        config_name=inputs["config"],
+        tokenizer_name=inputs["tokenizer"],
+        train_file=inputs["train"],
+        validation_file=inputs["validation"],
+        block_size=a.block_size,
+        per_device_train_batch_size=a.batch_size,
+        learning_rate=LR,
+        max_steps=a.steps,
+        logging_steps=a.log_every,
+        max_grad_norm=1.0,
+        save_steps=0,
+        sample_max_new_tokens=0,
+        seed=a.seed,
+        use_cpu=True,
+        output_dir=out,
+        disable_tqdm=True,
+    )
+    rc, at_row, _ = harness.watch(cmd, out, a.timeout, env=child_env(a.threads, work), cwd=work)
+    if rc != 0:
+        harness.exit_with_log("recipes/causal_lm.py", rc, out + ".log")
+    rows = harness.read_metrics(out)
+    cpu_at_row = [cpu for _, cpu in at_row] + [None] * (len(rows) - len(at_row))
     stamps = [(r["step"], r["elapsed_s"], c) for r, c in zip(rows, cpu_at_row) if "loss" in r]
     return rate(stamps, a.batch_size * a.block_size)
 
@@ -378,11 +303,9 @@ def main():
         cpu, cpu_base = v["tokens_per_cpu_s"], base["tokens_per_cpu_s"]
         cpu_cols = f"{cpu:12.0f} {cpu / cpu_base:8.3f}" if cpu and cpu_base else f"{'n/a':>12s} {'':8s}"
         print(f"  {k:14s} {v['tokens_per_s']:9.0f} {v['tokens_per_s'] / base['tokens_per_s']:8.3f}   {cpu_cols}")
-    print(f"  load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"  load average at the end: {harness.loadavg()}")
     print(f"bench wall time {wall:.0f} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "median": med, "rounds": results}, f, indent=1)
+    harness.write_json(a.json, {"args": vars(a), "median": med, "rounds": results})
 
 
 if __name__ == "__main__":

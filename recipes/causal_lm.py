@@ -33,7 +33,7 @@ from accel_trainer.text import (
     load_config,
     load_pretrained,
     load_text_dataset,
-    load_tokenizer,
+    tokenizer_for,
 )
 
 name = "causal_lm"
@@ -93,21 +93,6 @@ class Args:
             raise ValueError("--group_by_length needs --packing false (packed blocks all have --block_size tokens).")
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (one input and one target token), got {self.block_size}.")
-
-
-@functools.cache
-def _tokenizer(name_or_path: str, cache_dir: str | None = None):
-    tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path", cache_dir=cache_dir)
-    if tok.pad_token is None:  # GPT-2 has none; padded positions are masked out of attention and loss anyway
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def tokenizer_for(args):
-    name_or_path = args.tokenizer_name or args.model_name_or_path
-    if not name_or_path:
-        raise MissingInputError("no tokenizer: pass --tokenizer_name (Hub id or folder) or --model_name_or_path.")
-    return _tokenizer(name_or_path, args.cache_dir)
 
 
 def build_model(ctx):

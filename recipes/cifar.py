@@ -39,12 +39,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cifar_data.py 
 from cifar_data import DEFAULT_DATASET, CifarSplit, DeviceLoader, load_cifar10, normalize  # noqa: E402
 
 from accel_trainer import UserError  # noqa: E402
+from accel_trainer.precision import fast_mixed_precision, training_device  # noqa: E402
 
 name = "cifar"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Presets: one line per knob that differs. Anything given on the command line wins.
 # "default" is airbench94 (94.0% mean on an A100 in 3.83 s); "small" is for a 2-core CPU (see docs/cifar.md).
+# Mixed precision is no preset's knob: unless given, it is what the device runs fast (configure below).
 
 PRESETS = {
     "default": dict(
@@ -52,7 +54,6 @@ PRESETS = {
         batch_size=1024,  # images per optimizer step, all processes together
         eval_batch_size=2000,  # images per eval forward, all processes together
         num_train_epochs=9.9,  # passes over the 50k train images (airbench94: 9.9)
-        mixed_precision="bf16",  # on a GPU; fp32 on a CPU unless --mixed_precision says otherwise
     ),
     "small": dict(  # for a 2-core CPU (AMD EPYC Zen 4 here); measurements in docs/cifar.md
         widths="16,64,128",  # the 31x31 first block dominates CPU time: keep it narrow (19 s/epoch idle;
@@ -60,7 +61,6 @@ PRESETS = {
         batch_size=512,  # more steps per epoch than 1024 suit a net this small
         eval_batch_size=1000,
         num_train_epochs=8,  # 88.3% (89.1% with TTA) at seed 0
-        mixed_precision="bf16",  # this CPU (AVX512-BF16) runs bf16 convs ~2x faster than fp32
     ),
 }
 
@@ -147,9 +147,9 @@ def configure(ctx):
     if "num_train_epochs" not in ctx.given:
         targs.num_train_epochs = preset["num_train_epochs"]
     if targs.mixed_precision is None and not os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        # bf16 where it is fast: a GPU, or a CPU with AVX512-BF16 / AMX (the "small" preset opts in).
-        on_gpu = torch.cuda.is_available() and not targs.use_cpu
-        targs.mixed_precision = preset["mixed_precision"] if on_gpu or args.preset == "small" else "no"
+        # What this device runs fast, asked of torch (bf16 on an Ampere+ GPU or a CPU with AVX512-BF16/AMX, fp32 on
+        # an AVX2 CPU, where bf16 convs were measured 10x slower): see accel_trainer/precision.py.
+        targs.mixed_precision = fast_mixed_precision(training_device(targs.use_cpu))
     for key, flag in (("batch_size", "per_device_train_batch_size"), ("eval_batch_size", "per_device_eval_batch_size")):
         if getattr(args, key) % ctx.world_size:
             raise UserError(

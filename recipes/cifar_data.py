@@ -23,6 +23,8 @@ import pickle
 import numpy as np
 import torch
 
+from accel_trainer.hub import is_local_path
+
 DEFAULT_DATASET = "uoft-cs/cifar10"
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 # Per-channel statistics of the train split on a 0-1 scale (the usual CIFAR-10 numbers).
@@ -115,15 +117,10 @@ def _load_hub_layout(source):
     return {s: _decode_split(dsd[s]) for s in SPLITS}
 
 
-def _is_local(source):
-    # A Hub id is "owner/name"; anything that exists, or looks like a path, is treated as a local folder.
-    return os.path.exists(source) or source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
-
-
 def _cache_key(source):
     """Changes when the source changes: the Hub id, or the local folder's files (names, sizes, mtimes)."""
     h = hashlib.sha256()
-    if _is_local(source):
+    if is_local_path(source):
         root = os.path.abspath(os.path.expanduser(source))
         h.update(root.encode())
         for dirpath, _, files in sorted(os.walk(root)):
@@ -152,7 +149,7 @@ def _save_atomic(path, array):
 
 def load_cifar10(source=DEFAULT_DATASET, cache_dir=None, use_cache=True):
     """{"train": (uint8 [50000,32,32,3], int64 [50000]), "test": (...)} from a Hub id, Hub-layout or pickle folder."""
-    if _is_local(source):
+    if is_local_path(source):
         path = os.path.expanduser(source)
         if not os.path.isdir(path):
             raise CifarDataError(_how_to_supply(source) + f"\n({path!r} is not a folder.)")
@@ -165,7 +162,7 @@ def load_cifar10(source=DEFAULT_DATASET, cache_dir=None, use_cache=True):
     if cache and all(os.path.exists(p) for pair in files.values() for p in pair):
         return {s: (np.load(xi), np.load(yi)) for s, (xi, yi) in files.items()}
 
-    pickles = _pickle_dir(os.path.expanduser(source)) if _is_local(source) else None
+    pickles = _pickle_dir(os.path.expanduser(source)) if is_local_path(source) else None
     data = _load_pickle_dir(pickles) if pickles else _load_hub_layout(source)
     if cache:
         os.makedirs(cache, exist_ok=True)

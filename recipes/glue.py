@@ -26,7 +26,7 @@ from accel_trainer.text import (
     load_config,
     load_pretrained,
     load_text_dataset,
-    load_tokenizer,
+    tokenizer_for,
 )
 
 name = "glue"
@@ -100,19 +100,6 @@ class Args:
             raise ValueError(
                 f"--task_name {self.task_name!r} is not a GLUE task; use one of {', '.join(TASK_TO_KEYS)}."
             )
-
-
-@functools.cache
-def _tokenizer(name_or_path: str, cache_dir: str | None = None):
-    # Cached: build_model, build_data and collate all need the same tokenizer; load it once per process.
-    tok = load_tokenizer(name_or_path, flag="--tokenizer_name/--model_name_or_path", cache_dir=cache_dir)
-    if tok.pad_token is None:  # GPT-2 style tokenizers have no pad token; padding is masked out anyway
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def tokenizer_for(args):
-    return _tokenizer(args.tokenizer_name or args.model_name_or_path, args.cache_dir)
 
 
 def build_model(ctx):

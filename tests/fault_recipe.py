@@ -7,6 +7,7 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                exit_at=R:N    rank R exits with status 3 after update N, on the first elastic
                                               attempt only
                                hang_at=R:N    rank R stops making progress after update N (SIGTERM ends it)
+                               build_delay=S  sleep S s in build_data (a slow set-up: tokenising, loading)
 
 Under FSDP its `loss` also checks that no gradient was synced inside an accumulation window (see loss()).
 """
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 import regression  # noqa: E402
 from regression import (  # noqa: E402,F401
-    build_data,
     build_metrics,
     build_model,
     build_optimizer,
@@ -53,11 +53,24 @@ def loss(model, batch):
     return regression.loss(model, batch)
 
 
+def build_data(ctx):
+    delay = _parse(ctx.args.faults).get("build_delay", 0)
+    if delay:
+        rank = os.environ.get("RANK", "0")
+        print(f"[test fault] rank {rank} builds its data for {delay:g} s", file=sys.stderr, flush=True)
+        time.sleep(delay)
+    return regression.build_data(ctx)
+
+
 def _faults(trainer) -> dict:
+    return _parse(trainer.recipe_args.faults)
+
+
+def _parse(faults: str) -> dict:
     spec = {}
-    for item in filter(None, (s.strip() for s in trainer.recipe_args.faults.split(","))):
+    for item in filter(None, (s.strip() for s in faults.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("step_delay", "save_delay", "exit_at", "hang_at"):
+        if key not in ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay"):
             raise ValueError(f"--faults: unknown key {key!r}")
         spec[key] = float(value) if key.endswith("delay") else tuple(int(v) for v in value.split(":"))
     return spec

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,53 +13,12 @@ from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "recipes")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env(**extra) -> dict:
-    e = dict(os.environ)
-    e.update(
-        {
-            "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-            "ACCELERATE_DISABLE_RICH": "1",
-        }
-    )
-    e.pop("WORLD_SIZE", None)
-    e.update(extra)
-    return e
-
-
-def launch_cmd(nproc: int, port: int | None = None) -> list[str]:
-    """`accelerate launch` for nproc CPU processes that truly form one world (see accelerate_configs/README.md)."""
-    if nproc == 1:
-        return [sys.executable]
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(nproc),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_ip",
-        "127.0.0.1",
-        "--main_process_port",
-        str(port or free_port()),
-    ]
+# Children are started as the benches start theirs: one harness (bench/harness.py, a plain module on bench/).
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from harness import FSDP2, flags, free_port, launch_cmd  # noqa: E402, F401 - re-exported for the tests
+from harness import child_env as env  # noqa: E402, F401
+from harness import read_metrics as metrics  # noqa: E402, F401
+from harness import read_run_config as run_config  # noqa: E402, F401
 
 
 def launcher(world: str, max_restarts: int = 0) -> list[str]:
@@ -134,16 +92,6 @@ def run(
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
     return proc
-
-
-def metrics(output_dir: str) -> list[dict]:
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def run_config(output_dir: str) -> dict:
-    with open(os.path.join(output_dir, "run_config.json")) as f:
-        return json.load(f)
 
 
 def weights(output_dir: str) -> dict[str, torch.Tensor]:

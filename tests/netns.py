@@ -63,9 +63,14 @@ class TwoHosts:
         script = 'mount --bind "$0" /etc/hosts && exec nsenter --net=/run/netns/' + self.ns[machine] + ' "$@"'
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, hosts_file, *argv]
 
-    def popen(self, machine: int, argv: list[str], log, **kw) -> subprocess.Popen:
+    def popen(self, machine: int, argv: list[str], log, hosts_file: str | None = None, **kw) -> subprocess.Popen:
         p = subprocess.Popen(
-            self.cmd(machine, argv), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw
+            self.cmd(machine, argv, hosts_file),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            **kw,
         )
         self.procs.append(p)
         return p

@@ -67,3 +67,36 @@ def test_console_script_train(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "model.safetensors").exists()
+
+
+class _Built(Exception):
+    pass
+
+
+def test_nccl_errors_surface_as_exceptions_so_the_dead_rank_is_named(tmp_path, monkeypatch):
+    """torch's default NCCL error handling (3, SkipCleanUp) kills the process from the watchdog thread when a
+    collective fails or times out, before the Trainer can name the rank that stopped answering. The Accelerator
+    (and with it the process group, which reads the variable when it is created) is built with 2 (CleanUpOnly):
+    the communicators are aborted and the failure reaches the main thread as an exception. The user's own value
+    wins. (That NCCL then behaves so is not yet run on a GPU: docs/fault-tolerance.md.)"""
+    import os
+
+    from accel_trainer import accel
+
+    seen = []
+
+    def record(*a, **k):  # stands in for Accelerator(): the environment the process group would be created in
+        seen.append(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+        raise _Built
+
+    monkeypatch.setattr(accel, "Accelerator", record)
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
+    for users in (None, "1"):
+        if users:
+            monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", users)
+        try:
+            build_accelerator(TrainingArguments(output_dir=str(tmp_path)))
+        except _Built:
+            pass
+    assert seen == ["2", "1"]

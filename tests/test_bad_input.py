@@ -1,10 +1,11 @@
 """Bad input: a clear message naming the problem and the fix, a non-zero exit, nothing overwritten."""
 
 import os
+import subprocess
 import sys
 
 import pytest
-from helpers import RECIPES, run
+from helpers import RECIPES, env, run
 
 sys.path.insert(0, RECIPES)
 import regression  # noqa: E402
@@ -101,3 +102,67 @@ def test_bf16_comm_hook_on_gloo_is_refused(tmp_path):
                nproc=2, check=False)  # fmt: skip
     # each worker prints our one line (torchrun then reports the failed workers in its own way)
     assert proc.returncode != 0 and "error: --ddp_comm_hook bf16 needs NCCL" in proc.stderr + proc.stdout
+
+
+def accel_trainer_train(recipe_file, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "accel_trainer.cli", "train", str(recipe_file), "--output_dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120, env=env(),
+    )  # fmt: skip
+
+
+def test_recipe_without_loss_is_one_line(tmp_path):
+    recipe = tmp_path / "half_recipe.py"
+    recipe.write_text("def build_model(ctx):\n    return None\n")
+    proc = accel_trainer_train(recipe, tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
+    assert "half_recipe.py lacks build_data, loss" in proc.stderr and "build_data(ctx)" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+OLD_CONTRACT = """
+from torch import nn
+def build_model(args, targs):
+    return nn.Linear(2, 1)
+def build_data(args, targs, accelerator):
+    return {}
+def loss(model, batch):
+    return model(batch).mean(), 1
+"""
+
+
+def test_recipe_written_to_the_old_contract_fails_at_load_naming_the_new_one(tmp_path):
+    recipe = tmp_path / "old_recipe.py"
+    recipe.write_text(OLD_CONTRACT)
+    proc = accel_trainer_train(recipe, tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "build_model(args, targs) does not fit the recipe contract build_model(ctx)" in proc.stderr
+    assert "CHANGELOG.md" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_recipe_object_with_old_signature_is_refused_when_built():
+    from accel_trainer import Recipe, UserError
+
+    with pytest.raises(UserError, match=r"build_data\(a, t, acc\) does not fit .* build_data\(ctx\)"):
+        Recipe(build_model=lambda ctx: None, build_data=lambda a, t, acc: {}, loss=lambda m, b: (0, 1))
+    # the current contract, defaults and *args are accepted
+    Recipe(build_model=lambda ctx, extra=1: None, build_data=lambda *a: {}, loss=lambda m, b: (0, 1))
+
+
+def test_recipe_events_come_from_the_one_declaration():
+    import types
+
+    from accel_trainer import Recipe, UserError
+    from accel_trainer.events import EVENTS
+
+    module = types.ModuleType("evented")
+    module.build_model, module.build_data, module.loss = (lambda ctx: None), (lambda ctx: {}), (lambda m, b: (0, 1))
+    for event in EVENTS:
+        setattr(module, f"on_{event}", lambda *a, _e=event: _e)
+    assert set(Recipe.from_module(module).events) == set(EVENTS)  # every declared event, fit_start included
+    with pytest.raises(UserError, match="unknown events"):
+        Recipe(
+            build_model=module.build_model, build_data=module.build_data, loss=module.loss, events={"fit_begin": print}
+        )

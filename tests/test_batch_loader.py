@@ -4,20 +4,10 @@ eval counts every sample once on 2 processes even when ranks hold shards of diff
 import os
 
 import pytest
-from helpers import metrics, run, run_config
+from helpers import flags, metrics, run, run_config
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "batchloader_recipe.py")
-ARGS = [
-    "--max_steps",
-    "6",
-    "--num_eval_samples",
-    "37",
-    "--per_device_eval_batch_size",
-    "4",
-    "--disable_tqdm",
-    "--eval_steps",
-    "3",
-]
+ARGS = flags(max_steps=6, num_eval_samples=37, per_device_eval_batch_size=4, disable_tqdm=True, eval_steps=3)
 
 
 def test_batch_loader_eval_exact_on_two_processes(tmp_path):

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from helpers import flags
 from safetensors.torch import load_file
 from text_fixtures import ctx, load_recipe_module, make_text_files, make_tiny_gpt2, read_jsonl, run_recipe
 
@@ -124,40 +125,25 @@ def test_from_scratch_end_to_end(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe(
         "causal_lm",
-        [
-            "--config_name",
-            env["config_only"],
-            "--tokenizer_name",
-            env["config_only"],
-            "--train_file",
-            env["train"],
-            "--block_size",
-            "32",
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "30",
-            "--learning_rate",
-            "3e-3",
-            "--per_device_train_batch_size",
-            "8",
-            "--logging_steps",
-            "5",
-            "--eval_steps",
-            "15",
-            "--save_steps",
-            "0",
-            "--disable_tqdm",
-            "--sample_prompt",
-            "the cat",
-            "--sample_max_new_tokens",
-            "8",
-            "--seed",
-            "1",
-            "--mixed_precision",
-            "bf16",
-            "--gradient_checkpointing",  # through the Trainer, for transformers models
-        ],
+        flags(
+            config_name=env["config_only"],
+            tokenizer_name=env["config_only"],
+            train_file=env["train"],
+            block_size=32,
+            output_dir=out,
+            max_steps=30,
+            learning_rate="3e-3",
+            per_device_train_batch_size=8,
+            logging_steps=5,
+            eval_steps=15,
+            save_steps=0,
+            disable_tqdm=True,
+            sample_prompt="the cat",
+            sample_max_new_tokens=8,
+            seed=1,
+            mixed_precision="bf16",
+            gradient_checkpointing=True,  # through the Trainer, for transformers models
+        ),
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import ROOT, env, free_port
 
-from accel_trainer import preflight, wizard
+from accel_trainer import check as preflight
+from accel_trainer import wizard
 
 CHECK = [sys.executable, "-m", "accel_trainer.cli", "check"]
 CONFIGS = os.path.join(ROOT, "accelerate_configs")
@@ -141,7 +142,7 @@ def test_busy_port_on_machine_0_and_rank_out_of_range(tmp_path, capsys):
         out = capsys.readouterr().out
         assert f"[FAIL] port {port} is already in use on this machine" in out and "Nothing was launched" in out
     assert preflight.main(["--config_file", str(tmp_path / "two.yaml"), "--machine_rank", "2"]) == 1
-    assert "--machine_rank 2 is out of range for 2 machine(s)" in capsys.readouterr().out
+    assert "--machine_rank 2 is out of range for 2 machines" in capsys.readouterr().out
 
 
 def test_unresolvable_main_address_and_stale_env(capsys, monkeypatch):

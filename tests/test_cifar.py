@@ -437,5 +437,5 @@ def test_bench_prints_accuracy_time_and_memory(tiny, tmp_path):
     with open(tmp_path / "bench" / "summary.json") as f:
         summary = json.load(f)
     assert len(summary["runs"]) == 2 and all(
-        r["train_s"] > 0 and r["time_to_target_s"] is not None for r in summary["runs"]
+        r["train_s"] > 0 and r["time_to_target_s"] is not None and r["peak_memory_mb"] > 50 for r in summary["runs"]
     )

@@ -18,100 +18,48 @@ import time
 
 import psutil
 import pytest
-from helpers import env, last_step, launch_cmd
+from helpers import env, flags, last_step, launch_cmd
+from procs import Launch
 
+from accel_trainer.cluster_config import RESTART_SAFE_ENV
 from accel_trainer.faults import EXIT_PREEMPTED
-from accel_trainer.topology import RESTART_SAFE_ENV
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_recipe.py")
 # 256 samples, batch 16: 16 updates per epoch on 1 process, 8 per rank on 2. Dropout and masked targets make every
 # RNG stream and the item weighting matter.
-ARGS = [
-    "--max_steps",
-    "40",
-    "--save_steps",
-    "4",
-    "--logging_steps",
-    "1",
-    "--dropout",
-    "0.2",
-    "--mask_prob",
-    "0.3",
-    "--disable_tqdm",
-]
+ARGS = flags(max_steps=40, save_steps=4, logging_steps=1, dropout=0.2, mask_prob=0.3, disable_tqdm=True)
 DEADLINE = 180  # seconds any single launch may take on a loaded 2-core machine
 
 
-class Run:
-    """One launch in its own session; its whole process tree (torchrun puts workers in their own sessions) is
-    tracked so that it can be killed, and checked gone."""
-
-    def __init__(self, tmp, out, nproc, extra=(), faults=None, launcher_args=(), extra_env=None):
-        self.out = str(out)
-        e = env(**(extra_env or {}))
-        extra = list(extra) + (["--faults", faults] if faults else [])
-        cmd = launch_cmd(nproc) + list(launcher_args) + [SCRIPT, "--output_dir", self.out] + ARGS + extra
-        self.log = open(os.path.join(tmp, f"log_{time.monotonic_ns()}.txt"), "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e, start_new_session=True)
-        self.seen: dict[int, psutil.Process] = {}
-
-    def tree(self) -> list[psutil.Process]:
-        try:
-            for p in [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True):
-                self.seen.setdefault(p.pid, p)
-        except psutil.NoSuchProcess:
-            pass
-        return [p for p in self.seen.values() if p.is_running()]
-
-    def kill(self, sig=signal.SIGKILL):
-        for p in self.tree():
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-
-    def wait(self, timeout=DEADLINE) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.kill()
-            psutil.wait_procs(list(self.seen.values()), timeout=10)
-
-    def wait_until(self, cond, timeout=DEADLINE, poll=0.05):
-        start = time.monotonic()
-        while not cond():
-            self.tree()  # keep the list of descendants fresh while they live
-            if self.proc.poll() is not None:
-                raise AssertionError(f"exited {self.proc.returncode} before the condition held:\n{self.output()}")
-            if time.monotonic() - start > timeout:
-                raise AssertionError(f"condition not met within {timeout} s:\n{self.output()}")
-            time.sleep(poll)
-
-    def output(self, tail: int | None = 6000) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        text = self.log.read()
-        return text[-tail:] if tail else text
-
-    def no_process_left(self):
-        alive = [p for p in self.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"processes left: {alive}"
+def launch(tmp, out, nproc, extra=(), faults=None, launcher_args=(), extra_env=None) -> Launch:
+    """The fault recipe on nproc processes, in its own session (tests/procs.py)."""
+    extra = list(extra) + (["--faults", faults] if faults else [])
+    cmd = launch_cmd(nproc) + list(launcher_args) + [SCRIPT, "--output_dir", str(out)] + ARGS + extra
+    log = os.path.join(tmp, f"log_{time.monotonic_ns()}.txt")
+    return Launch(cmd, log, env=env(**(extra_env or {})), deadline=DEADLINE)
 
 
 @pytest.fixture
 def runs():
-    started: list[Run] = []
+    started: list[Launch] = []
     yield started
     for r in started:
-        r.kill()
-        psutil.wait_procs(list(r.seen.values()), timeout=10)
+        r.stop()
 
 
-def start(runs, *a, **kw) -> Run:
-    r = Run(*a, **kw)
+def start(runs, *a, **kw) -> Launch:
+    r = launch(*a, **kw)
     runs.append(r)
     r.tree()
     return r
+
+
+def end_after(r: Launch, marker: str) -> tuple[int, float, str]:
+    """Once `marker` is in the output: the exit code, the seconds from then to the job's end, and the output."""
+    r.wait_until(lambda: marker in r.output(None))
+    t0 = time.monotonic()
+    rc = r.wait(timeout=90)
+    return rc, time.monotonic() - t0, r.output()
 
 
 def tmp_saves(out) -> list[str]:
@@ -130,7 +78,7 @@ def references(tmp_path_factory):
     started = []
     try:
         for n in (1, 2):
-            started.append(Run(str(tmp), tmp / f"ref{n}", n))
+            started.append(launch(str(tmp), tmp / f"ref{n}", n))
         for r in started:
             assert r.wait() == 0, r.output()
         return {n: final_bytes(tmp / f"ref{n}") for n in (1, 2)}
@@ -189,7 +137,7 @@ def test_sigterm_checkpoints_and_exits_75_then_resume_is_bit_identical(tmp_path,
     assert final_bytes(out) == references[1]
 
 
-def _worker(run: Run, rank: int) -> psutil.Process:
+def _worker(run: Launch, rank: int) -> psutil.Process:
     for p in run.tree():
         try:
             if p.environ().get("RANK") == str(rank) and os.path.basename(SCRIPT) in " ".join(p.cmdline()):
@@ -240,11 +188,7 @@ def test_elastic_restart_after_a_worker_dies_resumes_and_matches(tmp_path, runs,
 def test_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, runs):
     out = tmp_path / "run"
     r = start(runs, tmp_path, out, 2, ["--ddp_timeout", "5"], faults="step_delay=0.05,hang_at=1:6")
-    r.wait_until(lambda: "[test fault] rank 1 hangs" in r.output(None))
-    t0 = time.monotonic()
-    rc = r.wait(timeout=90)
-    took = time.monotonic() - t0
-    log = r.output()
+    rc, took, log = end_after(r, "[test fault] rank 1 hangs")
     assert rc != 0
     assert "rank 1 died or hangs" in log, log
     assert took < 5 + 10 + 20, f"{took:.0f} s"  # ddp_timeout + the monitored barrier + slack on a loaded machine
@@ -254,11 +198,7 @@ def test_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, runs):
 def test_dead_rank_ends_the_job_naming_it(tmp_path, runs):
     out = tmp_path / "run"
     r = start(runs, tmp_path, out, 2, faults="step_delay=0.05,exit_at=1:6")
-    r.wait_until(lambda: "[test fault] rank 1 exits" in r.output(None))
-    t0 = time.monotonic()
-    rc = r.wait(timeout=90)
-    took = time.monotonic() - t0
-    log = r.output()
+    rc, took, log = end_after(r, "[test fault] rank 1 exits")
     assert rc != 0
     assert "rank      : 1 (local_rank: 1)" in log and "exitcode  : 3" in log, log  # torchrun's report
     assert took < 30 + 15, f"{took:.0f} s"  # torchrun's SIGTERM grace for the survivor + slack

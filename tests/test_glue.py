@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from helpers import flags
 from safetensors.torch import load_file
 from text_fixtures import (
     OneProcess,
@@ -138,16 +139,12 @@ def test_missing_or_wrong_inputs_give_a_clear_error(env):
 def test_missing_model_path_exits_non_zero_with_the_fix(env, tmp_path):
     proc = run_recipe(
         "glue",
-        [
-            "--model_name_or_path",
-            str(tmp_path / "bert-typo"),
-            "--dataset_name",
-            env["data"],
-            "--output_dir",
-            str(tmp_path / "out"),
-            "--max_steps",
-            "1",
-        ],
+        flags(
+            model_name_or_path=tmp_path / "bert-typo",
+            dataset_name=env["data"],
+            output_dir=tmp_path / "out",
+            max_steps=1,
+        ),
         tmp_path,
         timeout=120,
     )
@@ -157,36 +154,26 @@ def test_missing_model_path_exits_non_zero_with_the_fix(env, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- end to end
+def glue_flags(env, out, **kw) -> list[str]:
+    """The tiny BERT on the GLUE folder, trained into `out` at a high learning rate with no warm-up; then `kw`."""
+    return flags(model_name_or_path=env["model"], dataset_name=env["data"], output_dir=out, warmup_steps=0,
+                 learning_rate="3e-3", save_steps=0, disable_tqdm=True, **kw)  # fmt: skip
+
+
 def test_end_to_end_length_grouped(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe(
         "glue",
-        [
-            "--model_name_or_path",
-            env["model"],
-            "--dataset_name",
-            env["data"],
-            "--output_dir",
-            str(out),
-            "--group_by_length",
-            "--max_steps",
-            "40",
-            "--warmup_steps",
-            "0",
-            "--learning_rate",
-            "3e-3",
-            "--per_device_train_batch_size",
-            "8",
-            "--logging_steps",
-            "5",
-            "--eval_steps",
-            "20",
-            "--save_steps",
-            "0",
-            "--disable_tqdm",
-            "--seed",
-            "0",
-        ],
+        glue_flags(
+            env,
+            out,
+            group_by_length=True,
+            max_steps=40,
+            per_device_train_batch_size=8,
+            logging_steps=5,
+            eval_steps=20,
+            seed=0,
+        ),  # fmt: skip
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -220,29 +207,7 @@ def test_two_process_eval_on_an_uneven_split_matches_one_process(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe(
         "glue",
-        [
-            "--model_name_or_path",
-            env["model"],
-            "--dataset_name",
-            env["data"],
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "8",
-            "--warmup_steps",
-            "0",
-            "--learning_rate",
-            "3e-3",
-            "--per_device_train_batch_size",
-            "4",
-            "--per_device_eval_batch_size",
-            "4",
-            "--logging_steps",
-            "4",
-            "--save_steps",
-            "0",
-            "--disable_tqdm",
-        ],
+        glue_flags(env, out, max_steps=8, per_device_train_batch_size=4, per_device_eval_batch_size=4, logging_steps=4),
         tmp_path,
         nproc=2,
     )

@@ -108,3 +108,93 @@ def test_evaluation_time_is_not_update_time(tmp_path):
     t.fit()
     rows = [m for m in metrics(t.args.output_dir) if "loss" in m]
     assert len(rows) == 3 and all(m["step_time_s"] < 0.15 for m in rows), rows
+
+
+# torch.cuda.get_device_name() strings -> the dense bf16 peak (TFLOP/s), or None where the model is not in the
+# table. Each pair of neighbours used to be confused by a substring match ("H100" in "NVIDIA H100 PCIe", "A10" in
+# "NVIDIA A10G", "A100" in "NVIDIA RTX A1000", "L4" in "NVIDIA L40").
+GPU_PEAKS = {
+    "NVIDIA H100 80GB HBM3": 989.0,
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "A100-SXM4-40GB": 312.0,  # older drivers leave out the vendor
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA RTX A1000": None,
+    "NVIDIA A10": 125.0,
+    "NVIDIA A10G": None,  # AWS's variant: no data-sheet peak, so no MFU rather than a wrong one
+    "NVIDIA L4": 121.0,
+    "NVIDIA L40": 181.0,
+    "NVIDIA L40S": 362.0,
+    "NVIDIA GeForce RTX 4090": None,
+}
+
+
+@pytest.mark.parametrize("name", GPU_PEAKS)
+def test_peak_tflops_by_exact_gpu_model(monkeypatch, name):
+    import torch
+
+    from accel_trainer.throughput import detected_peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert detected_peak_tflops("bf16") == GPU_PEAKS[name]
+    assert detected_peak_tflops("no") is None  # fp32 runs on other units: no bf16 peak applies
+
+
+class _Accelerator:
+    device, num_processes = "cpu", 1
+
+
+def test_peak_memory_is_the_peak_since_the_last_row_on_cpu():
+    # A 300 MB buffer held only during the first window: the second row must not report it (it did: the process's
+    # lifetime peak RSS, never reset).
+    import numpy as np
+
+    from accel_trainer.throughput import Meter
+
+    meter = Meter(_Accelerator())
+    buffer = np.ones(300 * 2**20 // 8)  # touched pages: resident
+    del buffer
+    meter.updated(1, 1)
+    first = meter.row()["peak_memory_mb"]
+    meter.updated(1, 1)
+    second = meter.row()["peak_memory_mb"]
+    assert first > second + 250, (first, second)
+
+
+class FakeAcceleratorMemory:
+    """A device module's allocator statistics (torch.cuda/xpu): allocated bytes, and the peak since a reset."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def allocate(self, mb):
+        self.allocated += mb * 2**20
+        self.peak = max(self.peak, self.allocated)
+
+    def max_memory_allocated(self, device=None):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak = self.allocated
+
+
+def test_peak_memory_of_an_accelerator_is_reset_at_each_row(monkeypatch):
+    import torch
+
+    from accel_trainer import throughput
+
+    fake = FakeAcceleratorMemory()
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    fake.allocate(100)  # the model, held throughout
+    throughput.reset_peak_memory("cuda:0")  # a window starts
+    fake.allocate(500)  # activations of the first window
+    fake.allocate(-500)
+    assert throughput.peak_memory_mb("cuda:0") == 600
+    throughput.reset_peak_memory("cuda:0")  # the row: the next window starts
+    fake.allocate(50)
+    assert throughput.peak_memory_mb("cuda:0") == 150

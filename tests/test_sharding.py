@@ -24,16 +24,14 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 from accelerate.utils import DistributedType
-from helpers import RECIPES, ROOT, env, free_port, launch_cmd, metrics, run_config
+from helpers import FSDP2, RECIPES, ROOT, free_port, last_step, launch_cmd, metrics, run_config
+from procs import Launch
 from safetensors.torch import load_file, load_model
 
 from accel_trainer import checkpoint as ckpt
@@ -51,65 +49,15 @@ REG = ["--mask_prob", "0.3", "--gradient_accumulation_steps", "2", "--max_steps"
 PER_DEVICE = {1: ["--per_device_train_batch_size", "16"], 2: ["--per_device_train_batch_size", "8"]}
 
 
-class Launch:
-    """One launch in its own session, output to a file; its whole process tree can be killed and is, at the end."""
-
-    def __init__(self, cmd: list[str], log: str):
-        self.log = open(log, "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT,
-                                     start_new_session=True)  # fmt: skip
-        self.seen: dict[int, psutil.Process] = {}
-
-    def _tree(self):
-        try:
-            root = psutil.Process(self.proc.pid)
-            for p in [root] + root.children(recursive=True):
-                self.seen.setdefault(p.pid, p)
-        except psutil.NoSuchProcess:
-            pass
-
-    def kill(self):
-        self._tree()
-        for p in self.seen.values():
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(list(self.seen.values()), timeout=10)
-
-    def wait(self) -> str:
-        try:
-            rc = self.proc.wait(timeout=DEADLINE)
-        finally:
-            self.kill()
-        assert rc == 0, f"exit {rc}:\n{self.output()[-6000:]}"
-        return self.output()
-
-    def wait_until(self, cond, poll=0.05):
-        start = time.monotonic()
-        while not cond():
-            self._tree()  # torchrun's workers live in sessions of their own: keep them on the list to kill
-            assert self.proc.poll() is None, f"exited {self.proc.returncode} early:\n{self.output()[-6000:]}"
-            assert time.monotonic() - start < DEADLINE, f"not reached within {DEADLINE} s:\n{self.output()[-6000:]}"
-            time.sleep(poll)
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+def launch(cmd: list[str], log: str) -> Launch:
+    """One launch from the repository root, in its own session (tests/procs.py); its whole tree is killed at the end."""
+    return Launch(cmd, log, cwd=ROOT, deadline=DEADLINE)
 
 
 def fsdp_launcher(config_file: str) -> list[str]:
     """`accel-trainer launch --config_file <FSDP config>`, as a user runs it."""
     return [sys.executable, "-m", "accel_trainer.cli", "launch", "--config_file", config_file,
             "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]  # fmt: skip
-
-
-def last_step(out) -> int:
-    try:
-        return max((json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))), default=0)
-    except (FileNotFoundError, ValueError):  # not written yet, or a line being written
-        return 0
 
 
 def train_rows(out) -> list[dict]:
@@ -143,14 +91,14 @@ def reg(tmp_path_factory):
     out = {name: str(d / name) for name in ("fsdp", "ddp", "single", "killed", "one")}
     script = os.path.join(RECIPES, "regression.py")
     started = {
-        "fsdp": Launch(
+        "fsdp": launch(
             fsdp_launcher(config) + [script, "--output_dir", out["fsdp"]] + REG + PER_DEVICE[2], out["fsdp"] + ".log"
         ),  # fmt: skip
-        "ddp": Launch(launch_cmd(2) + [script, "--output_dir", out["ddp"]] + REG + PER_DEVICE[2], out["ddp"] + ".log"),
-        "single": Launch(
+        "ddp": launch(launch_cmd(2) + [script, "--output_dir", out["ddp"]] + REG + PER_DEVICE[2], out["ddp"] + ".log"),
+        "single": launch(
             [sys.executable, script, "--output_dir", out["single"]] + REG + PER_DEVICE[1], out["single"] + ".log"
         ),  # fmt: skip
-        "killed": Launch(
+        "killed": launch(
             fsdp_launcher(config)
             + [FAULT_RECIPE, "--output_dir", out["killed"], "--faults", "step_delay=0.3"]
             + REG
@@ -160,21 +108,21 @@ def reg(tmp_path_factory):
     }
     try:
         started["killed"].wait_until(lambda: last_step(out["killed"]) >= 6)  # checkpoint step_4 is written
-        started["killed"].kill()
+        started["killed"].stop()
         killed_at = last_step(out["killed"])
-        logs = {name: run.wait() for name, run in started.items() if name != "killed"}
+        logs = {name: run.wait_ok() for name, run in started.items() if name != "killed"}
         # the 2-process FSDP run's checkpoint at update 4 (mid-epoch), continued on 1 process
         shutil.copytree(os.path.join(out["fsdp"], "checkpoints", "step_4"), os.path.join(out["one"], "checkpoints",
                         "step_4"))  # fmt: skip
-        started["resumed"] = Launch(fsdp_launcher(config) + [FAULT_RECIPE, "--output_dir", out["killed"],
+        started["resumed"] = launch(fsdp_launcher(config) + [FAULT_RECIPE, "--output_dir", out["killed"],
                                     "--resume_from_checkpoint", "latest"] + REG + PER_DEVICE[2],
                                     out["killed"] + "-resumed.log")  # fmt: skip
-        started["one"] = Launch([sys.executable, script, "--output_dir", out["one"], "--resume_from_checkpoint",
+        started["one"] = launch([sys.executable, script, "--output_dir", out["one"], "--resume_from_checkpoint",
                                 "latest"] + REG + PER_DEVICE[1], out["one"] + ".log")  # fmt: skip
-        logs["resumed"], logs["one"] = started["resumed"].wait(), started["one"].wait()
+        logs["resumed"], logs["one"] = started["resumed"].wait_ok(), started["one"].wait_ok()
     finally:
         for run in started.values():
-            run.kill()
+            run.stop()
     return SimpleNamespace(out=out, logs=logs, killed_at=killed_at)
 
 
@@ -326,25 +274,22 @@ def test_causal_lm_fsdp_equals_one_process(lm_files):
     f = lm_files
     out = {n: f.root / n for n in ("fsdp", "single")}
     # FSDP from the launcher's flags this time (what `accelerate launch --use_fsdp` sets in the environment)
-    use_fsdp = [sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2",
-                "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1",
-                "--main_process_port", str(free_port())]  # fmt: skip
+    use_fsdp = launch_cmd(2, mode=FSDP2)
     runs = [
-        Launch(
+        launch(
             use_fsdp + lm_args(f, out["fsdp"], "--max_steps", "6", "--per_device_train_batch_size", "4"),
             str(out["fsdp"]) + ".log",
         ),  # fmt: skip
-        Launch(
+        launch(
             [sys.executable] + lm_args(f, out["single"], "--max_steps", "6", "--per_device_train_batch_size", "8"),
             str(out["single"]) + ".log",
         ),  # fmt: skip
     ]
     try:
-        logs = [r.wait() for r in runs]
+        logs = [r.wait_ok() for r in runs]
     finally:
         for r in runs:
-            r.kill()
+            r.stop()
     config = run_config(out["fsdp"])
     assert (config["num_processes"], config["topology"]["distributed_type"]) == (2, "FSDP")
     assert config["sharding"][0]["wrap"] == "transformer blocks GPT2Block (from _no_split_modules)"
@@ -375,9 +320,9 @@ def test_shipped_fsdp_bf16_config_shards_on_cpu_with_fp32_reduction(lm_files, tm
     out = tmp_path / "bf16"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
            "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]  # fmt: skip
-    run = Launch(cmd + lm_args(lm_files, out, "--max_steps", "2", "--per_device_train_batch_size", "4",
+    run = launch(cmd + lm_args(lm_files, out, "--max_steps", "2", "--per_device_train_batch_size", "4",
                  "--fsdp_reduce_dtype", "fp32"), str(out) + ".log")  # fmt: skip
-    run.wait()
+    run.wait_ok()
     config = run_config(out)
     assert (config["num_processes"], config["topology"]["distributed_type"]) == (2, "FSDP")
     assert config["topology"]["mixed_precision"] == "bf16"

@@ -10,7 +10,7 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 from helpers import ROOT, free_port
 
-from accel_trainer import topology
+from accel_trainer import cluster_config
 
 CONFIGS = os.path.join(ROOT, "accelerate_configs")
 
@@ -39,7 +39,7 @@ def test_shipped_config_loads_and_launches_the_promised_topology(name, monkeypat
     launcher, per_machine, machines, mp, cpu = SHIPPED[name]
     path = os.path.join(CONFIGS, f"{name}.yaml")
     config = load_config_from_file(path)  # accelerate's own loader
-    assert topology.validate_config(config, gpus_detected=None) == []
+    assert cluster_config.validate_config(config, gpus_detected=None) == []
     assert config.num_processes == per_machine * machines  # the TOTAL, not per machine
     assert config.num_machines == machines and bool(config.use_cpu) == cpu
     assert str(config.mixed_precision) == mp
@@ -47,7 +47,7 @@ def test_shipped_config_loads_and_launches_the_promised_topology(name, monkeypat
     # What `accelerate launch --config_file <file> x.py` derives from the file (its own validation code).
     argv = ["--config_file", path]
     if machines > 1:
-        argv += ["--machine_rank", "1", *topology.rdzv_flags(config.rdzv_backend, 30)]
+        argv += ["--machine_rank", "1", *cluster_config.rdzv_flags(config.rdzv_backend, 30)]
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv + ["x.py"]))
     torchrun = args.multi_gpu or args.use_fsdp
     assert ("torchrun" if torchrun else "simple") == launcher
@@ -72,4 +72,4 @@ def test_c10d_from_the_config_file_alone_is_ignored_by_accelerate():
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, "x.py"]))
     assert load_config_from_file(path).rdzv_backend == "c10d"
     assert args.rdzv_backend == "static"
-    assert "--rdzv_backend c10d" in topology.launch_command(path, load_config_from_file(path), 1)
+    assert "--rdzv_backend c10d" in cluster_config.launch_command(path, load_config_from_file(path), 1)

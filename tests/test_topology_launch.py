@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, assert_same_weights, env, free_port, launch_cmd, weights
 
 from accel_trainer import wizard
-from accel_trainer.topology import RESTART_SAFE_ENV, rdzv_flags
+from accel_trainer.cluster_config import RESTART_SAFE_ENV, rdzv_flags
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 STEPS, PER_DEVICE = 4, 8  # global batch 16: 2 machines x 1 process x 8, or 1 process x 16
@@ -150,7 +150,8 @@ def test_two_machines_on_loopback_train_like_one_process(tmp_path, rdzv, one_pro
 FAIL_ONCE = textwrap.dedent("""
     import os, sys, time, torch
     from accelerate import Accelerator
-    from accel_trainer.topology import check_world, process_group_kwargs
+    from accel_trainer.world import check_world
+    from accel_trainer.accel import process_group_kwargs
     marker = sys.argv[1]
     first_round = not os.path.exists(marker)  # read before the barrier, so both ranks agree
     acc = Accelerator(cpu=True, kwargs_handlers=[process_group_kwargs(30)])
@@ -331,7 +332,7 @@ def test_launch_that_runs_one_process_instead_of_two_is_stopped(tmp_path, how):
 
 NAIVE = textwrap.dedent("""
     from accelerate import Accelerator
-    from accel_trainer.topology import check_world
+    from accel_trainer.world import check_world
     check_world(Accelerator())  # no cpu=True on a machine without CUDA
     print("TRAINED ALONE", flush=True)
 """)
@@ -450,4 +451,50 @@ def test_preemption_signal_to_the_launcher_alone_reaches_each_worker_once_and_ex
     assert "preempted: the workers wrote a checkpoint and stopped; exit 75" in text
     (ckpt,) = os.listdir(out / "checkpoints")
     assert json.load(open(out / "checkpoints" / ckpt / "manifest.json"))["num_processes"] == 2
+    assert not alive, alive
+
+
+def test_preemption_notice_during_set_up_is_kept_checkpointed_at_the_first_update_and_exits_75(tmp_path):
+    """SIGUSR1 while the workers still build their data (a slow tokenisation or load): the launcher ignores SIGUSR1
+    in torchrun's agent, and an ignored signal stays ignored across exec into the workers, so the notice used to
+    be dropped and the run went on to the time limit. The workers keep it from import on: training starts, every
+    rank checkpoints at the first update boundary they agree on, and the launcher exits 75 (requeue)."""
+    import psutil
+
+    out = tmp_path / "o"
+    cmd = WRAPPER + launch_cmd(2)[3:] + [FAULT_RECIPE, "--faults", "build_delay=8", "--output_dir", str(out)]
+    log = open(tmp_path / "log.txt", "w+")
+    proc = subprocess.Popen(
+        cmd + ["--max_steps", "40", "--logging_steps", "1", "--save_steps", "0", "--disable_tqdm"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    seen = {}
+    try:
+        t0 = time.monotonic()
+        while (tmp_path / "log.txt").read_text().count("builds its data") < 2:  # both ranks are in set-up
+            assert proc.poll() is None and time.monotonic() - t0 < BOUND + 60, (tmp_path / "log.txt").read_text()
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                seen[p.pid] = p
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)  # the launcher passes it on to each worker, still in build_data
+        rc = proc.wait(timeout=BOUND + 60)
+        _, alive = psutil.wait_procs(list(seen.values()), timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in seen.values():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    text = (tmp_path / "log.txt").read_text()
+    assert rc == 75, text[-3000:]
+    assert text.count("[rank 0] SIGUSR1 received") == 1 and text.count("[rank 1] SIGUSR1 received") == 1, text[-3000:]
+    assert "preempted: the workers wrote a checkpoint and stopped; exit 75" in text
+    (ckpt,) = os.listdir(out / "checkpoints")
+    assert int(ckpt.split("_")[1]) <= 2, ckpt  # the first boundary the ranks agree on, not the end of the run
     assert not alive, alive

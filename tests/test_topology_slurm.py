@@ -75,11 +75,13 @@ def uninterrupted(cluster, tmp_path_factory):
     info = cluster.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_BOUND, log)
     text = open(log).read()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-4000:]}"
-    return tmp / "run", text
+    return tmp / "run", text, info
 
 
 def test_sbatch_the_generated_script_as_written_trains_a_world_of_2(uninterrupted):
-    out, text = uninterrupted
+    out, text, info = uninterrupted
+    # The node's CPUs are the job's (#SBATCH --exclusive), not one: its workers and their loader workers share them.
+    assert info["NumCPUs"] == str(os.cpu_count()), info
     cfg = run_config(out)
     assert cfg["num_processes"] == 2, cfg  # one world of 2, not two worlds of 1
     assert (cfg["topology"]["num_machines"], cfg["topology"]["local_world_size"]) == (1, 2), cfg["topology"]

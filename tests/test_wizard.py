@@ -164,6 +164,99 @@ def test_interactive_through_a_pseudo_terminal(tmp_path):
     assert (tmp_path / "pty.slurm.sh").exists()
 
 
+def test_interactive_on_a_login_node_without_gpus_asks_once_early_and_writes_the_gpu_config(tmp_path):
+    """The common case: a cluster's 2 x 8 GPU config written on a login node with no GPU. The wizard asks right
+    after "Use GPUs? yes" whether the config is for other machines, then writes it (never throws the answers
+    away) and says what to check on the GPU machines. Machine 0's default address is never loopback."""
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**env(), "CUDA_VISIBLE_DEVICES": ""},
+        encoding="utf-8",
+        timeout=60,
+    )
+    answers = [
+        ("How many machines", "2"),
+        ("Use GPUs", "yes"),
+        ("No GPU is visible here. Is this config for other machines", ""),  # default: yes
+        ("How many GPUs \\(processes\\) per machine", "8"),
+        ("Address of machine 0, as every machine reaches it\\?([^:]*):", "10.1.2.3"),
+        ("Port on machine 0", ""),
+        ("Rendezvous", "c10d"),
+        ("Seconds to wait", ""),
+        ("Restarts allowed", ""),
+        ("Mixed precision", "bf16"),
+        ("torch.compile", ""),
+        ("Shard the model with FSDP", ""),
+        ("Config name", "login"),
+        ("SLURM", "yes"),
+    ]
+    offered = None
+    for prompt, answer in answers:
+        child.expect(prompt)
+        if prompt.startswith("Address"):
+            offered = child.match.group(1)
+        child.sendline(answer)
+    child.expect(pexpect.EOF)
+    child.close()
+    out = child.before
+    assert child.exitstatus == 0, out
+    assert "127." not in offered, offered  # the other machine cannot reach a loopback address
+    config = load_config_from_file(str(tmp_path / "login.yaml"))
+    assert (config.num_machines, config.num_processes, config.use_cpu) == (2, 16, False)
+    assert (config.main_process_ip, str(config.mixed_precision)) == ("10.1.2.3", "bf16")
+    assert "refusing" not in out and (tmp_path / "login.slurm.sh").exists()
+    assert "Written for other machines" in out and "confirms 8 visible GPU(s), NCCL and bf16" in out, out
+
+
+def test_interactive_without_gpus_for_this_machine_switches_to_cpu_processes(tmp_path):
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**env(), "CUDA_VISIBLE_DEVICES": ""},
+        encoding="utf-8",
+        timeout=60,
+    )
+    for prompt, answer in [
+        ("How many machines", "1"),
+        ("Use GPUs", "yes"),
+        ("No GPU is visible here", "no"),
+        ("How many CPU processes per machine", "2"),
+        ("Mixed precision", ""),
+        ("torch.compile", ""),
+        ("Shard the model with FSDP", ""),
+        ("Config name", "here"),
+    ]:
+        child.expect(prompt)
+        child.sendline(answer)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    config = load_config_from_file(str(tmp_path / "here.yaml"))
+    assert (config.num_processes, config.use_cpu) == (2, True)
+
+
+@pytest.mark.parametrize(
+    "hostname_ip, interfaces, offered",
+    [
+        ("127.0.1.1", [("10.0.0.5", "eth0")], "10.0.0.5"),  # Debian's /etc/hosts: the interface's address instead
+        ("127.0.0.1", [("10.0.0.5", "eth0"), ("192.168.1.5", "eth1")], None),  # which one? no default: asked
+        ("127.0.0.1", [], None),
+        ("10.0.0.7", [("10.0.0.7", "eth0"), ("192.168.1.5", "eth1")], "10.0.0.7"),
+    ],
+)
+def test_machine_0_default_address_is_never_loopback(hostname_ip, interfaces, offered, monkeypatch):
+    import socket
+
+    from accel_trainer import network
+
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: hostname_ip)
+    monkeypatch.setattr(network, "cluster_addresses", lambda: interfaces)
+    assert wizard._my_address() == offered
+
+
 FAKE_SRUN = """#!/bin/bash
 # Stand-in srun: run the command once per node, as SLURM does, each with its own SLURM_NODEID.
 while [[ "$1" == --* ]]; do shift; done
@@ -206,6 +299,7 @@ def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
     script = tmp_path / "s.slurm.sh"
     text = read(script)
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert "#SBATCH --exclusive" in text  # every CPU of the node, not one (tests/test_topology_slurm.py runs it)
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
     fake = tmp_path / "bin"
     fake.mkdir()

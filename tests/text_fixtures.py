@@ -14,7 +14,7 @@ import random
 import subprocess
 import sys
 
-from helpers import launch_cmd
+from helpers import env, launch_cmd
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,23 +64,25 @@ def _train_tokenizer(texts, kind: str):
             model_max_length=128,
             model_input_names=["input_ids", "token_type_ids", "attention_mask"],
         )
-    # GPT-2 style byte-level BPE with only an end-of-text token (no pad token, like the real gpt2)
+    return byte_level_bpe(texts, vocab_size=300, model_max_length=128)
+
+
+def byte_level_bpe(texts, vocab_size: int, **kwargs):
+    """A GPT-2 style byte-level BPE tokenizer trained on `texts`, with only an end-of-text token (no pad token, like
+    the real gpt2); `kwargs` go to PreTrainedTokenizerFast. bench/text.py builds its tokenizer with it too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        texts,
-        trainers.BpeTrainer(
-            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-        ),
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    eot = "<|endoftext|>"
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[eot], initial_alphabet=alphabet, show_progress=False
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|endoftext|>",
-        eos_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-        model_max_length=128,
-    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot, eos_token=eot, unk_token=eot, **kwargs)
 
 
 def make_tiny_bert(folder: str, texts=None, num_labels: int = 2) -> str:
@@ -135,6 +137,28 @@ def make_tiny_gpt2(folder: str, texts=None, weights: bool = True) -> str:
         model.save_pretrained(folder)
     else:
         config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def make_tiny_llama(folder: str, texts=None, width: int = 256, layers: int = 2) -> str:
+    """A Llama config (random init by the recipe) + byte-level BPE tokenizer saved in `folder`, for fp8: every
+    projection is an nn.Linear whose features are multiples of 16 (width, 2 x width), which is what Accelerate's
+    fp8 backends convert. GPT-2's projections are Conv1D, which they leave alone."""
+    from transformers import LlamaConfig
+
+    tokenizer = _train_tokenizer(texts or sentences(300), "gpt2")
+    LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=width // 64,
+        num_key_value_heads=width // 64,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    ).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -194,17 +218,7 @@ def make_text_files(folder: str, n_train: int = 200, n_eval: int = 20, seed: int
 def offline_env(tmp_path) -> dict:
     """Environment for recipe subprocesses: no Hub access (fail fast instead of retrying for a minute),
     dataset cache inside the test's temp dir, one thread per process on this small machine."""
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_CACHE=str(tmp_path / "hf_datasets_cache"),
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
-    )
-    return env
+    return env(HF_DATASETS_CACHE=str(tmp_path / "hf_datasets_cache"))
 
 
 def run_recipe(recipe: str, args: list[str], tmp_path, nproc: int = 1, timeout: int = 240):

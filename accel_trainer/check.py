@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 
-from accel_trainer import topology
+from accel_trainer import accel, cluster_config, network, world
 from accel_trainer.errors import UserError
 from accel_trainer.launch import diagnose, plan
 
@@ -87,7 +87,7 @@ def check(a) -> int:
     """The whole preflight for the arguments `a` (add_arguments); 0 when every check passed."""
     r = Report()
     try:
-        config = topology.load_config(a.config_file)
+        config = cluster_config.load_config(a.config_file)
     except UserError as e:  # missing file, bad YAML (file:line), unknown keys: one line
         r.fail(str(e))
         return 1
@@ -99,8 +99,8 @@ def check(a) -> int:
     machines = int(config.num_machines or 1)
 
     print(f"Topology of {a.config_file} (this is machine {a.machine_rank}):")
-    print("  " + topology.describe(config).replace("\n", "\n  "))
-    problems = topology.validate_config(config, gpus_detected=None)
+    print("  " + cluster_config.describe(config).replace("\n", "\n  "))
+    problems = cluster_config.validate_config(config, gpus_detected=None)
     for p in problems:
         r.fail(p)
     if not problems:
@@ -181,32 +181,36 @@ def check_env(config, r):
 
 
 def check_network(config, rank, machines, timeout, r):
-    if not 0 <= rank < machines:
-        r.fail(f"--machine_rank {rank} is out of range for {machines} machine(s) (valid: 0..{machines - 1})")
+    problem = world.machine_rank_problem(rank, machines)
+    if problem:
+        r.fail(problem)
         return
-    port = topology.DEFAULT_PORT if config.main_process_port is None else int(config.main_process_port)
+    port = network.DEFAULT_PORT if config.main_process_port is None else int(config.main_process_port)
     if machines == 1 and port == 0:
         r.ok("main_process_port 0: accelerate picks a free port at launch")
         return
     if machines == 1:
-        free, why = topology.port_free(port)
+        free, why = network.port_free(port)
         # On one machine accelerate falls back to a free port by itself, so a busy one is only worth a warning.
         (r.ok if free else r.warn)(why + ("" if free else "; accelerate will pick another port on one machine"))
         return
     host = config.main_process_ip
     try:
-        route = topology.route_to(host, port)
-    except UserError as e:  # no such name, or no route from here
+        route = network.route_to(host, port)
+        route, fixed = network.loopback_route(route, rank)  # machine 0's name resolving to 127.0.1.1
+    except UserError as e:  # no such name, no route from here, or a loopback machine 0 that cannot be made right
         r.fail(str(e))
         return
-    new, kept = topology.network_env(route)
+    if fixed:
+        r.warn(fixed)
+    new, kept = network.network_env(route)
     sets = " ".join(f"{k}={v}" for k, v in new.items())
     r.ok(
         f"machine {rank}: {route.describe()}; `accel-trainer launch` sets {sets or 'nothing'}"
         + (f" and keeps yours: {' '.join(f'{k}={v}' for k, v in kept.items())}" if kept else "")
     )
     if rank == 0:
-        free, why = topology.port_free(port)
+        free, why = network.port_free(port)
         if not free:
             r.fail(
                 f"{why}. Machine 0 must listen on it: stop the other run, or choose another "
@@ -220,7 +224,7 @@ def check_network(config, rank, machines, timeout, r):
                 "forwarding, otherwise set main_process_ip to this machine's cluster-network address."
             )
     else:
-        up, why = topology.reachable(host, port, timeout_s=min(timeout, 10))
+        up, why = network.reachable(host, port, timeout_s=min(timeout, 10))
         (r.ok if up else r.fail)(why)
 
 
@@ -232,8 +236,8 @@ def launch_argv(a, config) -> list[str]:
     if a.main_process_port is not None:
         argv += ["--main_process_port", str(a.main_process_port)]
     if int(config.num_machines or 1) > 1:
-        argv += ["--machine_rank", str(a.machine_rank)] + topology.rdzv_flags(config.rdzv_backend, a.timeout)
-    return argv + ["-m", "accel_trainer.preflight", "--worker", "--timeout", str(a.timeout)]
+        argv += ["--machine_rank", str(a.machine_rank)] + cluster_config.rdzv_flags(config.rdzv_backend, a.timeout)
+    return argv + ["-m", "accel_trainer.check", "--worker", "--timeout", str(a.timeout)]
 
 
 def run_collective(a, config, r) -> bool:
@@ -276,8 +280,8 @@ def worker(timeout_s: int) -> int:
     from accelerate import Accelerator
     from accelerate.utils import gather_object
 
-    acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[topology.process_group_kwargs(timeout_s)])
-    world = topology.check_world(acc)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[accel.process_group_kwargs(timeout_s)])
+    joined = world.check_world(acc)
     ones = torch.ones(1, device=acc.device)
     total = acc.reduce(ones, reduction="sum").item()
     # Where each machine's processes talk from: the address torchrun announced for it and gloo's interface.
@@ -286,11 +290,11 @@ def worker(timeout_s: int) -> int:
         here += f" ({os.environ['GLOO_SOCKET_IFNAME']})"
     hosts = gather_object([here])
     if total != acc.num_processes:
-        raise topology.TopologyError(f"all-reduce of ones gave {total}, expected {acc.num_processes}")
+        raise world.TopologyError(f"all-reduce of ones gave {total}, expected {acc.num_processes}")
     if acc.is_main_process:
         print(
-            f"{OK_LINE}: {acc.num_processes} processes on {world.num_machines} machine(s) "
-            f"({world.processes_per_machine} per machine), backend {acc.state.backend or 'none'}, "
+            f"{OK_LINE}: {acc.num_processes} processes on {joined.num_machines} machine(s) "
+            f"({joined.processes_per_machine} per machine), backend {acc.state.backend or 'none'}, "
             f"device {acc.device.type}, machines at {sorted(set(hosts))}",
             flush=True,
         )
