@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import torch
 from safetensors.torch import load_file
@@ -27,48 +26,10 @@ def launcher(world: str, max_restarts: int = 0) -> list[str]:
     with `max_restarts`, elastic (c10d rendezvous, torchrun restarts the group after a worker dies)."""
     if world == "1":
         return launch_cmd(1)
-    cmd = launch_cmd(2)
-    if world == "fsdp":
-        cmd[3:4] = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
+    cmd = launch_cmd(2, mode=FSDP2) if world == "fsdp" else launch_cmd(2)
     if max_restarts:
         cmd[3:3] = ["--max_restarts", str(max_restarts), "--rdzv_backend", "c10d"]
     return cmd
-
-
-def run_tree(cmd: list[str], log: str, timeout: float, extra_env: dict | None = None, cwd=None) -> tuple[int, str]:
-    """Run `cmd` in its own session with output to `log`; (exit status, output). Whatever is left of its process
-    tree (torchrun starts workers in sessions of their own) is killed at the end, also on a timeout."""
-    import psutil
-
-    seen: dict[int, psutil.Process] = {}
-    with open(log, "w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env(**(extra_env or {})),
-                                cwd=cwd or ROOT, start_new_session=True)  # fmt: skip
-        try:
-            deadline = time.monotonic() + timeout
-            while proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    for p in psutil.Process(proc.pid).children(recursive=True):
-                        seen.setdefault(p.pid, p)
-                except psutil.NoSuchProcess:
-                    pass
-                time.sleep(0.2)
-            rc = proc.poll()
-            if rc is None:
-                rc = 124
-                out.write(f"\n[run_tree: killed after {timeout} s]\n")
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            for p in seen.values():
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            proc.wait()
-            psutil.wait_procs(list(seen.values()), timeout=10)
-        out.seek(0)
-        return rc, out.read()
 
 
 def run(

@@ -30,5 +30,5 @@ def on_update_end(trainer):
 
 if __name__ == "__main__":
     recipe = load_recipe(os.environ["MATRIX_RECIPE"])
-    assert recipe.on_update_end is None, "the matrix's fault would replace the recipe's own update_end handler"
-    run(dataclasses.replace(recipe, on_update_end=on_update_end), sys.argv[1:])
+    assert "update_end" not in recipe.events, "the matrix's fault would replace the recipe's own update_end handler"
+    run(dataclasses.replace(recipe, events={**recipe.events, "update_end": on_update_end}), sys.argv[1:])

@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,11 +37,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import RECIPES, ROOT, launcher, run_config, run_tree
+from helpers import RECIPES, ROOT, env, launcher, run_config
 from pairwise import pairwise
+from procs import Launch
 from safetensors.torch import load_file, load_model
 
-from accel_trainer.topology import RESTART_SAFE_ENV
+from accel_trainer.cluster_config import RESTART_SAFE_ENV
 
 pytestmark = pytest.mark.matrix
 
@@ -225,8 +227,12 @@ def launch(row, world, f, out, *extra, fault_env=None, max_restarts=0) -> dict:
     cmd = launcher(world, max_restarts) + [os.path.join(ROOT, "tests", "matrix_recipe.py")] + args + list(extra)
     fault_env = dict(fault_env or {}, MATRIX_RECIPE=script, HF_DATASETS_CACHE=out + ".cache")
     t0 = time.monotonic()
-    rc, log = run_tree(cmd, out + ".log", DEADLINE, extra_env=fault_env)
-    return {"rc": rc, "log": log, "out": out, "world": world, "seconds": time.monotonic() - t0}
+    run = Launch(cmd, out + ".log", env=env(**fault_env), cwd=ROOT, deadline=DEADLINE)
+    try:
+        rc = run.wait()  # the whole process tree is killed afterwards
+    except subprocess.TimeoutExpired:
+        rc = 124
+    return {"rc": rc, "log": run.output(None), "out": out, "world": world, "seconds": time.monotonic() - t0}
 
 
 def interrupted(row, f, d) -> list[dict]:
