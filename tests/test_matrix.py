@@ -363,7 +363,7 @@ def test_matrix_row(rid, played, files):
 
 
 # ------------------------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("pair", list(REFUSED), ids=lambda p: f"{p[0][1]}+{p[1][0]}")
+@pytest.mark.parametrize("pair", list(REFUSED), ids=lambda p: f"{p[0][0]}={p[0][1]}+{p[1][0]}={p[1][1]}")
 def test_refused_pairs_say_so_in_one_line(pair, files, tmp_path):
     """A pair the product refuses on purpose: exit 1, one line naming it on each rank, no traceback, nothing
     written."""
@@ -382,7 +382,7 @@ def test_refused_pairs_say_so_in_one_line(pair, files, tmp_path):
     shutil.rmtree(out + ".cache", ignore_errors=True)
 
 
-@pytest.mark.parametrize("pair", list(KNOWN_FAILURES), ids=lambda p: f"{p[0][1]}+{p[1][1]}")
+@pytest.mark.parametrize("pair", list(KNOWN_FAILURES), ids=lambda p: f"{p[0][0]}={p[0][1]}+{p[1][0]}={p[1][1]}")
 def test_known_failures(pair, files, tmp_path):
     """The smallest run of a KNOWN_FAILURES pair still fails (strict: once it passes, move the pair into the matrix)."""
     (a, va), (b, vb) = pair
