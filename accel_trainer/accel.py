@@ -119,6 +119,13 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
             "fp16 mixed precision on a CPU: Accelerate applies no fp16 autocast or loss scaling there, so the run "
             "would silently train in fp32. Use --mixed_precision bf16 (CPU autocast) or no; fp16 needs a CUDA GPU."
         )
+    if args.sync_batchnorm and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
+        # torch's DDP refuses SyncBatchNorm off CUDA ("SyncBatchNorm layers only work with GPU modules"), as a
+        # traceback after the model and data were built; say it first, in one line.
+        raise UserError(
+            "--sync_batchnorm needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU processes. Drop the flag "
+            "here (each process then normalises over its own part of the batch)."
+        )
     if args.ddp_comm_hook == "bf16" and accelerator.num_processes > 1 and accelerator.state.backend != "nccl":
         raise UserError(
             f"--ddp_comm_hook bf16 needs NCCL (CUDA GPUs); this run's backend is {accelerator.state.backend}. "

@@ -485,7 +485,13 @@ def load_checkpoint(accelerator, path: str, model, optimizer=None, ema=None) -> 
         check_compatible(path, model)
         accelerator.load_state(path)
     if ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):
-        load_model(ema.module, os.path.join(path, EMA_FILE), device=str(accelerator.device))
+        # "cpu", not "cpu:0": Accelerate gives multi-process CPU runs the device cpu:0, which safetensors refuses.
+        device = "cpu" if accelerator.device.type == "cpu" else str(accelerator.device)
+        load_model(ema.module, os.path.join(path, EMA_FILE), device=device)
+        # The file holds the averaged weights only. AveragedModel copies the weights instead of averaging while its
+        # n_averaged is 0, so a resumed EMA would restart from the current weights: set it to the updates applied
+        # (every stepped update averaged once; fp16- and NaN-skipped ones did not).
+        ema.n_averaged.fill_(state["global_step"] - state.get("skipped_steps", 0))
     return state
 
 

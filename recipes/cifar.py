@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cifar_data.py next to this file
@@ -239,7 +240,10 @@ def build_model(ctx):
         train_images = load_cifar10(args.dataset, args.cache_dir)["train"][0]
     # Whitening statistics from the first 5000 train images: the same on every rank, no communication needed.
     model.init_whitening(normalize(torch.from_numpy(train_images[:5000])))
-    if args.channels_last:
+    # FSDP2 shards only contiguous parameters ("FSDP does not support non-contiguous parameters yet", a traceback
+    # at start-up): under FSDP the weights keep the default layout; the inputs are channels_last either way.
+    sharded = getattr(ctx.accelerator, "distributed_type", None) == DistributedType.FSDP
+    if args.channels_last and not sharded:
         model = model.to(memory_format=torch.channels_last)
     return model
 

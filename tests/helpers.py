@@ -20,6 +20,18 @@ from harness import read_metrics as metrics  # noqa: E402, F401
 from harness import read_run_config as run_config  # noqa: E402, F401
 
 
+def launcher(world: str, max_restarts: int = 0) -> list[str]:
+    """The command that starts a recipe on `world`: "1" (python), "ddp" (2 CPU processes, one world) or "fsdp"
+    (2 CPU processes, FSDP2 from `accelerate launch --use_fsdp` flags, as tests/test_sharding.py launches it);
+    with `max_restarts`, elastic (c10d rendezvous, torchrun restarts the group after a worker dies)."""
+    if world == "1":
+        return launch_cmd(1)
+    cmd = launch_cmd(2, mode=FSDP2) if world == "fsdp" else launch_cmd(2)
+    if max_restarts:
+        cmd[3:3] = ["--max_restarts", str(max_restarts), "--rdzv_backend", "c10d"]
+    return cmd
+
+
 def run(
     script: str,
     args: list[str],
