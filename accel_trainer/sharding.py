@@ -281,7 +281,9 @@ def assert_sharded(accelerator, model) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     world = accelerator.num_processes
-    root = _fsdp_root(model)
+    # Accelerate compiles first and then shards the compiled wrapper (fsdp2_prepare_model), so under
+    # --torch_compile the FSDP root is the wrapper itself, not its _orig_mod.
+    root = model if isinstance(model, FSDPModule) else _fsdp_root(model)
     if accelerator.distributed_type != DistributedType.FSDP or not isinstance(root, FSDPModule):
         raise ShardingError(
             f"FSDP was asked for but the model is {type(root).__name__} under {accelerator.distributed_type.value}: "
