@@ -121,6 +121,40 @@ def test_sigkill_at_several_steps_then_resume_is_bit_identical(tmp_path, runs, r
     assert final_bytes(out) == references[nproc]
 
 
+def _pending_async_save(out) -> int | None:
+    """The step of a checkpoint still being written while training is past it, once an earlier one is committed."""
+    root = os.path.join(out, "checkpoints")
+    try:
+        pending = [int(d.split("_")[-1]) for d in tmp_saves(out)]
+        done = [d for d in os.listdir(root) if d.startswith("step_")]
+    except OSError:  # renamed or removed between the two looks
+        return None
+    return pending[0] if pending and done and last_step(out) > pending[0] else None
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_save_async_sigkill_during_a_background_write_then_resume_is_bit_identical(tmp_path, runs, references, nproc):
+    # --save_async: each checkpoint's background write holds 1.5 s between its files and the commit (save_delay)
+    # while training goes on. Killed while one is pending and training is already past its step: it never became
+    # a checkpoint, --save_total_limit 1 kept the previous complete one, `latest` resumes from it, and the end is
+    # the uninterrupted (synchronous) run, bit for bit.
+    out = tmp_path / "run"
+    extra = ["--save_async", "--save_total_limit", "1"]
+    r = start(runs, tmp_path, out, nproc, extra, faults="step_delay=0.1,save_delay=1.5")
+    r.wait_until(lambda: _pending_async_save(out) is not None)
+    r.kill()
+    r.wait()
+    r.no_process_left()
+    (half,) = tmp_saves(out)
+    (good,) = [d for d in os.listdir(out / "checkpoints") if d.startswith("step_")]
+    assert int(good.split("_")[1]) < int(half.split("_")[-1]) < last_step(out)
+    r = start(runs, tmp_path, out, nproc, ["--resume_from_checkpoint", "latest", *extra])
+    assert r.wait() == 0, r.output()
+    assert f"Resumed from {out / 'checkpoints' / good}" in r.output()
+    assert not tmp_saves(out)
+    assert final_bytes(out) == references[nproc]
+
+
 def test_sigterm_checkpoints_and_exits_75_then_resume_is_bit_identical(tmp_path, runs, references):
     out = tmp_path / "run"
     r = start(runs, tmp_path, out, 1, ["--save_steps", "0"], faults="step_delay=0.1")
