@@ -150,7 +150,7 @@ def test_save_async_sigkill_during_a_background_write_then_resume_is_bit_identic
     assert int(good.split("_")[1]) < int(half.split("_")[-1]) < last_step(out)
     r = start(runs, tmp_path, out, nproc, ["--resume_from_checkpoint", "latest", *extra])
     assert r.wait() == 0, r.output()
-    assert f"Resumed from {out / 'checkpoints' / good}" in r.output()
+    assert f"Resumed from {out / 'checkpoints' / good}" in r.output(None)
     assert not tmp_saves(out)
     assert final_bytes(out) == references[nproc]
 
