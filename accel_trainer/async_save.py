@@ -24,8 +24,10 @@ outcome; the main process commits (manifest, rename, retention: checkpoint.save_
 every rank wrote its part, and tells the others whether the commit worked. So every rank knows the same outcome,
 and the Trainer stops all of them at the same update (the preemption vote) when it is a failure.
 
-The GPU paths (pinned staging, non-blocking copies) are torch's; this module's handling of them was read twice but
-has not yet run on a GPU.
+The GPU paths (pinned staging, non-blocking copies, then a device synchronize before training goes on) are torch's;
+this module's handling of them was read twice but has not yet run on a GPU. There the files hold the same values,
+but optimizer.bin records CPU tensors where the synchronous file records the GPU's: load_state reads both with
+map_location="cpu" (its default), so a resume is the same.
 """
 
 from __future__ import annotations
