@@ -155,6 +155,24 @@ def test_save_async_sigkill_during_a_background_write_then_resume_is_bit_identic
     assert final_bytes(out) == references[nproc]
 
 
+def test_save_async_sigterm_waits_for_the_pending_write_then_exits_75(tmp_path, runs, references):
+    # SIGTERM while a background write is pending: the preemption finishes and commits it, writes its own
+    # checkpoint (waited for too), exits 75; nothing half-written is left and the resumed run is the uninterrupted one.
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 1, ["--save_async"], faults="step_delay=0.1,save_delay=1.5")
+    r.wait_until(lambda: _pending_async_save(out) is not None)
+    pending = _pending_async_save(out)
+    r.proc.send_signal(signal.SIGTERM)
+    assert r.wait(timeout=60) == EXIT_PREEMPTED, r.output()
+    assert not tmp_saves(out)
+    done = sorted(int(d.split("_")[1]) for d in os.listdir(out / "checkpoints"))
+    assert pending in done and done[-1] > pending and "Preempted" in r.output()
+    assert os.path.isfile(out / "checkpoints" / f"step_{done[-1]}" / "manifest.json")
+    r = start(runs, tmp_path, out, 1, ["--resume_from_checkpoint", "latest", "--save_async"])
+    assert r.wait() == 0, r.output()
+    assert final_bytes(out) == references[1]
+
+
 def test_sigterm_checkpoints_and_exits_75_then_resume_is_bit_identical(tmp_path, runs, references):
     out = tmp_path / "run"
     r = start(runs, tmp_path, out, 1, ["--save_steps", "0"], faults="step_delay=0.1")
