@@ -173,6 +173,20 @@ def test_save_async_sigterm_waits_for_the_pending_write_then_exits_75(tmp_path, 
     assert final_bytes(out) == references[1]
 
 
+def test_save_async_failed_write_on_one_rank_stops_both_ranks_with_one_line_each(tmp_path, runs):
+    # Rank 1 fails to write step 8 in the background: every rank learns it, both stop at the same update (no
+    # rank is left waiting in a collective: no peer-failure report), each with one line; step 4 stays `latest`.
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 2, ["--save_async"], faults="step_delay=0.05,save_fail=1:8")
+    assert r.wait() == 1, r.output()
+    log = r.output(None)
+    assert "error: Writing the checkpoint " in log and ".tmp_step_8 in the background failed (PermissionError" in log
+    assert "error: rank 1: PermissionError: [Errno 13] Permission denied (test fault)" in log, log
+    assert "exitcode  : 1" in log and "a collective failed" not in log, log
+    assert sorted(os.listdir(out / "checkpoints")) == [".tmp_step_8", "step_4"]
+    assert not (out / "model.safetensors").exists()
+
+
 def test_sigterm_checkpoints_and_exits_75_then_resume_is_bit_identical(tmp_path, runs, references):
     out = tmp_path / "run"
     r = start(runs, tmp_path, out, 1, ["--save_steps", "0"], faults="step_delay=0.1")
