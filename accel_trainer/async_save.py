@@ -80,7 +80,15 @@ class AsyncWriter:
             self._thread.join()
             self._thread = None
         if self.error is not None:
+            self.close()  # the run stops here: the group's threads are not left to the interpreter's teardown
             raise self.error
+
+    def close(self):
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._group)
+            self._group = None
 
     def _copy_state(self, tmp: str) -> list:
         """The stall: small files written now, model and optimizer state copied to CPU memory."""
