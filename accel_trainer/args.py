@@ -106,6 +106,13 @@ class TrainingArguments:
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every N updates; 0 = at the end of each epoch."})
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every N updates; 0 = no checkpoints."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
+    save_async: bool = field(
+        default=False,
+        metadata={
+            "help": "Write checkpoints in the background: training stalls only while the state is copied to CPU "
+            "memory (costs that much host memory; see docs/fault-tolerance.md)."
+        },
+    )
     metric_for_best_model: str | None = field(
         default=None,
         metadata={

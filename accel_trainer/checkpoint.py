@@ -114,35 +114,59 @@ def write_manifest(folder: str, state: dict) -> dict:
 
 
 def save_checkpoint(
-    accelerator, output_dir: str, step: int, state: dict, ema=None, save_total_limit: int | None = None, on_staged=None
+    accelerator,
+    output_dir: str,
+    step: int,
+    state: dict,
+    ema=None,
+    save_total_limit: int | None = None,
+    on_staged=None,
+    async_writer=None,
+    write_extra=None,
 ) -> str:
     """Every process calls this (each saves its own RNG state). Returns the final folder. `on_staged(tmp)` runs
-    when this process's files are in the temporary folder, before the commit (fault tests kill the run there)."""
+    when this process's files are in the temporary folder, before the commit (fault tests kill the run there).
+    `write_extra(tmp)` writes this process's own extra state (a stream's position) while training waits, with
+    --save_async too: it must be taken at this update, not when the background write ends.
+    With `async_writer` (async_save.AsyncWriter, --save_async) it returns once the state is copied: the model and
+    optimizer files, then the same commit, follow in the background; the folder exists only once committed."""
     root = checkpoints_root(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp_step_{step}")
+    what = f"checkpoint step_{step} into {root}"
     if accelerator.is_main_process:
         restore_set_aside(output_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    with disk_full_is_one_line(output_dir, f"checkpoint step_{step} into {root}", tmp):
-        accelerator.save_state(tmp)  # model (safetensors), optimizer, scheduler, scaler, sampler, per-rank RNG
+    with disk_full_is_one_line(output_dir, what, tmp):
+        if write_extra is not None:
+            write_extra(tmp)
+        if async_writer is None:
+            accelerator.save_state(tmp)  # model (safetensors), optimizer, scheduler, scaler, sampler, per-rank RNG
         if accelerator.is_main_process:
             if ema is not None:
                 save_model(ema.module, os.path.join(tmp, EMA_FILE))
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=2)
+
+    def commit():  # main process, once every rank's files are in tmp
+        with disk_full_is_one_line(output_dir, what, tmp):
+            write_manifest(tmp, state)
+        _commit(root, tmp, final, step)
+        if save_total_limit:  # only committed (complete) folders are listed: the newest one always stays
+            for old in list_checkpoints(output_dir)[:-save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    if async_writer is not None:
+        with disk_full_is_one_line(output_dir, what, tmp):
+            async_writer.start(tmp, commit, on_staged, guard=lambda: disk_full_is_one_line(output_dir, what, tmp))
+        return final
     if on_staged is not None:
         on_staged(tmp)
     accelerator.wait_for_everyone()  # every rank's files are in tmp
     if accelerator.is_main_process:
-        with disk_full_is_one_line(output_dir, f"checkpoint step_{step} into {root}", tmp):
-            write_manifest(tmp, state)
-        _commit(root, tmp, final, step)
-        if save_total_limit:
-            for old in list_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+        commit()
     accelerator.wait_for_everyone()
     return final
 

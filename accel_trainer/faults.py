@@ -227,6 +227,11 @@ class Preemption:
     def vote(self):
         return self._values[self.handler.requested]  # 1 on a rank that got a signal
 
+    def request_stop(self):
+        """As if a signal arrived, without one (any thread): e.g. a failed background checkpoint write, which
+        _preempt then reports. signal_name stays None."""
+        self.handler.requested = True
+
     def record(self, reduced_vote):
         self._current = Vote(reduced_vote)
 

@@ -231,6 +231,7 @@ class Trainer:
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
         self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
+        self._writer = self._async_writer() if args.save_async else None
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         if args.profile_steps:
             from .profiling import UpdateProfiler
@@ -441,6 +442,7 @@ class Trainer:
             for window in self.windows():  # this rank's micro-batches of one optimizer update
                 self.update(window)
                 self.events.fire("update_end", self)
+                self._announce_written()
                 bar.update(1)
                 step, last = p.global_step, p.global_step >= self.total_steps
                 if step % args.logging_steps == 0 or last:
@@ -464,6 +466,7 @@ class Trainer:
             metrics = self.evaluate(final=True)
         if args.save_steps:
             self.save_checkpoint()
+        self._wait_for_checkpoint()  # the end of fit() never leaves a write behind
         self.save_model()
         self.events.fire("fit_end", self, metrics)
         self.accelerator.end_training()
@@ -791,6 +794,7 @@ class Trainer:
     def save_checkpoint(self) -> str:
         if self._log_window:
             self.log()  # also stops on a non-finite loss before anything is written over a good checkpoint
+        self._wait_for_checkpoint()  # one write at a time: the staging memory is reused, the order kept
         path = ckpt.save_checkpoint(
             self.accelerator,
             self.args.output_dir,
@@ -798,13 +802,15 @@ class Trainer:
             self.state(),
             ema=self.ema,
             save_total_limit=self.args.save_total_limit,
-            on_staged=lambda folder: (
-                self._save_data_state(folder),
-                self.events.fire("checkpoint_staged", self, folder),
-            ),
+            on_staged=lambda folder: self.events.fire("checkpoint_staged", self, folder),
+            async_writer=self._writer,
+            write_extra=self._save_data_state,  # a stream's position at this update, also under --save_async
         )
         self._saved_step = self.global_step
-        self.events.fire("checkpoint_written", self, path)
+        if self._writer is None:
+            self.events.fire("checkpoint_written", self, path)
+        else:
+            self._pending_path = path  # checkpoint_written fires once it is committed
         return path
 
     def _save_data_state(self, folder: str):
@@ -812,13 +818,43 @@ class Trainer:
         if self.streaming:
             self._train_stream.save(folder, self.progress)
 
+    # --save_async (async_save.py): the write runs in the background; a failure stops every rank at one update.
+    def _async_writer(self):
+        from .async_save import AsyncWriter
+
+        if not (self._plain_torch or self.sharded):
+            raise UserError(
+                f"--save_async supports one process, DDP and FSDP2, not {self.accelerator.distributed_type}; "
+                "drop --save_async."
+            )
+        writer = AsyncWriter(self.accelerator, self.args.ddp_timeout)
+        # Every rank learns the same outcome, so every rank votes to stop: they stop at the same update (the
+        # preemption vote), where _preempt waits for the write and raises its one-line error.
+        writer.on_failure = self.preemption.request_stop
+        self._pending_path = None
+        return writer
+
+    def _announce_written(self):
+        if self._writer is not None and self._pending_path is not None and not self._writer.pending():
+            if self._writer.error is None:
+                self.events.fire("checkpoint_written", self, self._pending_path)
+                self._pending_path = None
+
+    def _wait_for_checkpoint(self):
+        """The pending background write is over (raising its failure), and announced."""
+        if self._writer is not None:
+            self._writer.wait()  # in fit() inside meter.paused(): not update time
+            self._announce_written()
+
     def _preempt(self, progress_bar=None):
         """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
+        self._wait_for_checkpoint()  # a failed background write stops the run here, with its own message
         path = (
             os.path.join(ckpt.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
             if self._saved_step == self.global_step
             else self.save_checkpoint()
         )
+        self._wait_for_checkpoint()
         if progress_bar is not None:
             progress_bar.close()
         self.accelerator.end_training()

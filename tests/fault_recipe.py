@@ -8,6 +8,7 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                               attempt only
                                hang_at=R:N    rank R stops making progress after update N (SIGTERM ends it)
                                build_delay=S  sleep S s in build_data (a slow set-up: tokenising, loading)
+                               save_fail=R:N  rank R fails writing the checkpoint of step N (PermissionError)
 
 Under FSDP its `loss` also checks that no gradient was synced inside an accumulation window (see loss()).
 """
@@ -70,7 +71,7 @@ def _parse(faults: str) -> dict:
     spec = {}
     for item in filter(None, (s.strip() for s in faults.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay"):
+        if key not in ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail"):
             raise ValueError(f"--faults: unknown key {key!r}")
         spec[key] = float(value) if key.endswith("delay") else tuple(int(v) for v in value.split(":"))
     return spec
@@ -90,7 +91,10 @@ def on_update_end(trainer):
 
 
 def on_checkpoint_staged(trainer, folder):
-    time.sleep(_faults(trainer).get("save_delay", 0))
+    f = _faults(trainer)
+    time.sleep(f.get("save_delay", 0))
+    if f.get("save_fail") == (trainer.accelerator.process_index, int(folder.rsplit("_", 1)[1])):
+        raise PermissionError(13, "Permission denied (test fault)", folder)
 
 
 if __name__ == "__main__":

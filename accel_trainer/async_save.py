@@ -1,0 +1,221 @@
+"""`--save_async`: a checkpoint stalls training only for the copy of the state off the training tensors.
+
+    writer = AsyncWriter(accelerator, timeout_s)            # one per Trainer
+    writer.start(tmp, commit, on_staged)                    # main thread: copy the state, then return
+    writer.wait()                                           # before the next save, at preemption, at the end
+    writer.failed / writer.error                            # set by the background thread
+
+What `accelerator.save_state(tmp)` writes, with the same names and format (`load_state` reads it unchanged):
+
+- in the training thread, synchronously: the small files (scheduler, sampler, scaler, per-rank RNG, registered
+  objects) through Accelerate's own `save_accelerator_state` given no model and no optimizer: the RNG states must be
+  those of this update anyway, and these files are kilobytes;
+- in the training thread: a copy of the model and optimizer state dicts to CPU memory by torch's DCP stager
+  (`DefaultStager`: tensors sharing storage stay shared, as GPT-2's tied embedding must for the safetensors file to
+  be the synchronous one; pinned memory where there is a GPU; the staging memory is reused from one save to the
+  next). This copy is the stall;
+- in a background thread: the copies written as `save_state` writes them (accelerate's `save`: model.safetensors
+  and optimizer.bin on the main process; FSDP2: `dcp.save` of `{"model": ...}` / `{"optimizer": ...}` into
+  pytorch_model_fsdp_0/ and optimizer_0/, as accelerate's save_fsdp_model/optimizer do), then `commit()`.
+
+Several processes: the background threads talk over their own gloo group (a collective from a second thread on
+the training group could interleave with the training's collectives). After writing, the ranks exchange their
+outcome; the main process commits (manifest, rename, retention: checkpoint.save_checkpoint's own code) only when
+every rank wrote its part, and tells the others whether the commit worked. So every rank knows the same outcome,
+and the Trainer stops all of them at the same update (the preemption vote) when it is a failure.
+
+The GPU paths (pinned staging, non-blocking copies, then a device synchronize before training goes on) are torch's;
+this module's handling of them was read twice but has not yet run on a GPU. There the files hold the same values,
+but optimizer.bin records CPU tensors where the synchronous file records the GPU's: load_state reads both with
+map_location="cpu" (its default), so a resume is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from datetime import timedelta
+
+from .errors import UserError
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint written in the background failed; the message names it and the last good checkpoint."""
+
+
+class AsyncWriter:
+    def __init__(self, accelerator, timeout_s: int = 1800):
+        self.accelerator = accelerator
+        self.timeout_s = timeout_s
+        self._group = None
+        self._stager = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.on_failure = None  # called from the background thread when the outcome is a failure (all ranks)
+
+    # ------------------------------------------------------------------------------------------- training thread
+    def start(self, tmp: str, commit, on_staged=None, guard=None):
+        """Write accelerator's state into `tmp` in the background; `commit()` runs on the main process once every
+        rank's files are there. `guard()`: a context manager around the writes (a full disk -> one line). Returns
+        once the state is copied. The previous write must have been waited for."""
+        assert self._thread is None, "wait() for the previous checkpoint first"
+        self.error = None
+        acc = self.accelerator
+        if acc.num_processes > 1 and self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        big = self._copy_state(tmp)
+        self._thread = threading.Thread(
+            target=self._write, args=(tmp, big, commit, on_staged, guard), name="accel-trainer-checkpoint", daemon=True
+        )
+        self._thread.start()
+
+    def pending(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self):
+        """Block until the background write (and its commit) is over; raise its failure as one-line error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            self.close()  # the run stops here: the group's threads are not left to the interpreter's teardown
+            raise self.error
+
+    def close(self):
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _copy_state(self, tmp: str) -> list:
+        """The stall: small files written now, model and optimizer state copied to CPU memory."""
+        from accelerate.checkpointing import save_accelerator_state, save_custom_state
+        from accelerate.utils import DistributedType
+
+        acc = self.accelerator
+        fsdp = acc.distributed_type == DistributedType.FSDP
+        if acc.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+            assert fsdp, f"--save_async does not support {acc.distributed_type}"  # checked with the arguments
+        weights, optims = [], []
+        if fsdp:
+            from accelerate.utils.fsdp_utils import _prepare_sd_options
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            options = _prepare_sd_options(acc.state.fsdp_plugin)  # what save_fsdp_model/optimizer use
+            weights = [get_model_state_dict(m, options=options) for m in acc._models]
+            optims = [
+                get_optimizer_state_dict(acc._models[i], o, options=options) for i, o in enumerate(acc._optimizers)
+            ]
+        else:
+            weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+            optims = [o.state_dict() for o in acc._optimizers]
+        for hook in acc._save_model_state_pre_hook.values():  # as save_state: hooks may edit the weights
+            hook(acc._models, weights, tmp)
+        save_accelerator_state(  # no model, no optimizer: scheduler, sampler, scaler, this update's RNG states
+            tmp, [], [], acc._schedulers, acc._dataloaders, acc.state.process_index, acc.step, acc.scaler,
+            save_on_each_node=acc.project_configuration.save_on_each_node,
+        )  # fmt: skip
+        for i, obj in enumerate(acc._custom_objects):
+            save_custom_state(obj, tmp, i, save_on_each_node=acc.project_configuration.save_on_each_node)
+        acc.project_configuration.iteration += 1
+        staged = self._stage({"weights": weights, "optims": optims})
+        return [fsdp, staged["weights"], staged["optims"]]
+
+    def _stage(self, state):
+        import torch
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            gpu = torch.cuda.is_available()  # pinned memory and non-blocking copies need one (not yet run on a GPU)
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
+                )
+            )
+        return self._stager.stage(state)
+
+    # ----------------------------------------------------------------------------------------- background thread
+    def _write(self, tmp: str, big: list, commit, on_staged, guard):
+        error: BaseException | None = None
+        try:
+            with guard() if guard is not None else contextlib.nullcontext():
+                self._write_files(tmp, *big)
+            if on_staged is not None:
+                on_staged(tmp)
+        except BaseException as e:  # noqa: BLE001 - every failure is reported to the training thread
+            error = e
+        error = self._agree(error, "written")
+        if error is None and self.accelerator.is_main_process:
+            try:
+                commit()
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        error = self._agree(error, "committed", from_main=True)
+        if error is not None:
+            self.error = error if isinstance(error, UserError) else _one_line(error, tmp)
+            if self.on_failure is not None:
+                self.on_failure()
+
+    def _write_files(self, tmp: str, fsdp: bool, weights: list, optims: list):
+        import os
+
+        from accelerate.utils import save
+        from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
+
+        on_each_node = self.accelerator.project_configuration.save_on_each_node
+        if fsdp:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+            for key, name, states in (("model", FSDP_MODEL_NAME, weights), ("optimizer", OPTIMIZER_NAME, optims)):
+                for i, state in enumerate(states):
+                    folder = os.path.join(tmp, f"{name}_{i}")
+                    os.makedirs(folder, exist_ok=True)
+                    dcp.save(
+                        {key: state},
+                        storage_writer=dcp.FileSystemWriter(folder),
+                        planner=DefaultSavePlanner(),
+                        process_group=self._group,
+                    )
+            return
+        for i, state in enumerate(weights):  # accelerate's save writes on the main process (or each node's)
+            name = SAFE_WEIGHTS_NAME if i == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{i}.")
+            save(state, os.path.join(tmp, name), save_on_each_node=on_each_node, safe_serialization=True)
+        for i, state in enumerate(optims):
+            name = f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"
+            save(state, os.path.join(tmp, name), save_on_each_node=on_each_node, safe_serialization=False)
+
+    def _agree(self, error: BaseException | None, what: str, from_main: bool = False) -> BaseException | None:
+        """Every rank's outcome to every rank (bounded by the group's timeout). `from_main`: only the main
+        process's outcome counts (the commit); the others' are already known to be good."""
+        if self._group is None:
+            return error
+        import torch.distributed as dist
+
+        mine = (
+            None if error is None else (error if isinstance(error, UserError) else f"{type(error).__name__}: {error}")
+        )
+        outcomes: list = [None] * self.accelerator.num_processes
+        try:
+            dist.all_gather_object(outcomes, str(mine) if mine is not None else None, group=self._group)
+        except Exception as e:  # noqa: BLE001 - a rank that died or hangs: this checkpoint is not complete
+            return error or RuntimeError(f"the ranks could not agree that the checkpoint was {what} ({e})")
+        if error is not None:
+            return error
+        for rank, outcome in enumerate(outcomes[:1] if from_main else outcomes):
+            if outcome is not None:
+                return CheckpointWriteError(
+                    outcome if rank == self.accelerator.process_index else f"rank {rank}: {outcome}"
+                )
+        return None
+
+
+def _one_line(error: BaseException, tmp: str) -> CheckpointWriteError:
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return CheckpointWriteError(
+        f"Writing the checkpoint {tmp} in the background failed ({type(error).__name__}: {first}); it was not "
+        "committed, the previous checkpoint is intact. Fix the cause, then resume with --resume_from_checkpoint latest."
+    )
