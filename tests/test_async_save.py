@@ -64,7 +64,10 @@ def test_a_failed_background_write_stops_the_run_at_the_next_update(tmp_path, mo
     message = str(e.value)
     assert "\n" not in message and ".tmp_step_8 in the background failed (PermissionError" in message, message
     assert "the previous checkpoint is intact" in message
-    assert 8 <= trainer.global_step <= 9  # the update at which the write was found failed (at most one later)
+    # It stops at the first update boundary after the background thread reported the failure: on a loaded machine the
+    # thread may report it a few updates after step 8, but never later than the next save (step 12), which waits for
+    # the pending write.
+    assert 8 <= trainer.global_step <= 12
     assert [os.path.basename(p) for p in list_checkpoints(tmp_path / "run")] == ["step_4"]
     assert not os.path.exists(tmp_path / "run" / "model.safetensors")
 
