@@ -257,8 +257,11 @@ def _stream(ctx, tokenize, pack, tokenize_lines):
             **_text_kwargs(args, files[0]),
         )
     col = args.text_column
-    if raw.column_names is not None and col not in raw.column_names:
-        raise MissingInputError(f"no column {col!r} in the dataset (columns: {raw.column_names}); pass --text_column.")
+    columns = raw.column_names
+    if columns is None:  # datasets 3.x knows a streamed json's columns only once it reads a row: peek at the first
+        columns = list(next(iter(raw), {}))
+    if col not in columns:
+        raise MissingInputError(f"no column {col!r} in the dataset (columns: {columns}); pass --text_column.")
     ds = split_dataset_by_node(raw, rank=ctx.process_index, world_size=ctx.world_size).select_columns([col])
     if args.packing:
         return ds.map(tokenize, batched=True, remove_columns=[col]).map(pack, batched=True, batch_size=1000)
