@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-import psutil
+import procs
 import pytest
 from helpers import launch_cmd
 from recorded_recipe import read_records
@@ -49,9 +49,9 @@ def corpus(tmp_path_factory):
     return root
 
 
-class Launch:
-    """One `python`/`accelerate launch` of a recipe through recorded_recipe.py, in its own session, so that its
-    whole process tree (ranks and loader workers) can be SIGKILLed and checked gone."""
+class Launch(procs.Launch):
+    """One `python`/`accelerate launch` of a recipe through recorded_recipe.py (procs.Launch: its own session, so
+    that its whole process tree, ranks and loader workers, can be SIGKILLed and checked gone)."""
 
     def __init__(self, cwd, recipe, args, out, nproc=1, workers=0, delay=0.0):
         self.out, self.records = str(out), str(out) + "_records"
@@ -61,47 +61,8 @@ class Launch:
         env.pop("WORLD_SIZE", None)
         cmd = launch_cmd(nproc) + [SCRIPT, recipe, *args, "--output_dir", self.out]
         cmd += ["--dataloader_num_workers", str(workers)]
-        self.log = open(self.out + f"_{time.monotonic_ns()}.log", "w+")
-        self.proc = subprocess.Popen(
-            cmd, cwd=str(cwd), env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.seen = {}
-
-    def tree(self):
-        try:
-            root = psutil.Process(self.proc.pid)
-            for p in [root] + root.children(recursive=True):
-                self.seen.setdefault(p.pid, p)
-        except psutil.NoSuchProcess:
-            pass
-        return [p for p in self.seen.values() if p.is_running()]
-
-    def kill(self):
-        for p in self.tree():
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(list(self.seen.values()), timeout=10)
-
-    def wait(self) -> int:
-        try:
-            return self.proc.wait(timeout=DEADLINE)
-        finally:
-            self.kill()
-
-    def wait_until(self, cond):
-        start = time.monotonic()
-        while not cond():
-            self.tree()
-            assert self.proc.poll() is None, f"exited {self.proc.returncode} early:\n{self.output()}"
-            assert time.monotonic() - start < DEADLINE, f"not reached in {DEADLINE} s:\n{self.output()}"
-            time.sleep(0.05)
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-5000:]
+        log = self.out + f"_{time.monotonic_ns()}.log"
+        super().__init__(cmd, log, env=env, cwd=str(cwd), deadline=DEADLINE)
 
 
 @pytest.fixture
@@ -109,7 +70,7 @@ def launches():
     started: list[Launch] = []
     yield lambda *a, **kw: started.append(Launch(*a, **kw)) or started[-1]
     for launch in started:
-        launch.kill()
+        launch.stop()
 
 
 def records(launch: Launch, nproc: int) -> list[dict]:
@@ -139,7 +100,7 @@ def test_streamed_run_killed_and_resumed_trains_on_the_same_blocks(corpus, tmp_p
     ref = launches(corpus, "causal_lm", args, tmp_path / "ref", nproc, workers)
     victim = launches(corpus, "causal_lm", args, tmp_path / "run", nproc, workers, delay=0.3)
     victim.wait_until(lambda: os.path.isdir(tmp_path / "run" / "checkpoints" / f"step_{2 * SAVE}"))
-    victim.kill()
+    victim.stop()
     assert ref.wait() == 0, ref.output()
     assert not os.path.exists(tmp_path / "run" / "model.safetensors")  # killed before the end
     resumed = launches(
