@@ -460,37 +460,19 @@ def test_preemption_notice_during_set_up_is_kept_checkpointed_at_the_first_updat
     be dropped and the run went on to the time limit. The workers keep it from import on: training starts, every
     rank checkpoints at the first update boundary they agree on, and the launcher exits 75 (requeue)."""
     import psutil
+    from procs import Launch
 
     out = tmp_path / "o"
     cmd = WRAPPER + launch_cmd(2)[3:] + [FAULT_RECIPE, "--faults", "build_delay=8", "--output_dir", str(out)]
-    log = open(tmp_path / "log.txt", "w+")
-    proc = subprocess.Popen(
-        cmd + ["--max_steps", "40", "--logging_steps", "1", "--save_steps", "0", "--disable_tqdm"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    seen = {}
+    cmd += ["--max_steps", "40", "--logging_steps", "1", "--save_steps", "0", "--disable_tqdm"]
+    run = Launch(cmd, str(tmp_path / "log.txt"), cwd=ROOT, deadline=BOUND + 60)
     try:
-        t0 = time.monotonic()
-        while (tmp_path / "log.txt").read_text().count("builds its data") < 2:  # both ranks are in set-up
-            assert proc.poll() is None and time.monotonic() - t0 < BOUND + 60, (tmp_path / "log.txt").read_text()
-            for p in psutil.Process(proc.pid).children(recursive=True):
-                seen[p.pid] = p
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)  # the launcher passes it on to each worker, still in build_data
-        rc = proc.wait(timeout=BOUND + 60)
-        _, alive = psutil.wait_procs(list(seen.values()), timeout=10)
+        run.wait_until(lambda: run.output(None).count("builds its data") >= 2, poll=0.2)  # both ranks in set-up
+        run.proc.send_signal(signal.SIGUSR1)  # the launcher passes it on to each worker, still in build_data
+        rc = run.proc.wait(timeout=BOUND + 60)
+        _, alive = psutil.wait_procs(list(run.seen.values()), timeout=10)  # the workers and agent end with it
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        for p in seen.values():
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        run.stop()
     text = (tmp_path / "log.txt").read_text()
     assert rc == 75, text[-3000:]
     assert text.count("[rank 0] SIGUSR1 received") == 1 and text.count("[rank 1] SIGUSR1 received") == 1, text[-3000:]
