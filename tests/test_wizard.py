@@ -121,7 +121,9 @@ def test_existing_file_needs_force(tmp_path, capsys):
     assert wizard.main(flags + ["--force"]) == 0
 
 
-def test_interactive_through_a_pseudo_terminal(tmp_path):
+def wizard_at_a_terminal(tmp_path, answers: list[tuple[str, str | None]]):
+    """`accel-trainer config` in a pseudo-terminal on a machine without GPUs: expect each prompt (a regex), answer it
+    (None: answer nothing, e.g. after an error line), run to the end. Returns (the closed child, {prompt: match})."""
     child = pexpect.spawn(
         sys.executable,
         ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)],
@@ -130,6 +132,18 @@ def test_interactive_through_a_pseudo_terminal(tmp_path):
         encoding="utf-8",
         timeout=60,
     )
+    matches = {}
+    for prompt, answer in answers:
+        child.expect(prompt)
+        matches[prompt] = child.match
+        if answer is not None:
+            child.sendline(answer)
+    child.expect(pexpect.EOF)
+    child.close()
+    return child, matches
+
+
+def test_interactive_through_a_pseudo_terminal(tmp_path):
     answers = [
         ("How many machines", "zero"),  # not a number: asked again
         ("not valid", None),
@@ -147,12 +161,7 @@ def test_interactive_through_a_pseudo_terminal(tmp_path):
         ("Config name", "pty"),
         ("SLURM", "yes"),
     ]
-    for prompt, answer in answers:
-        child.expect(prompt)
-        if answer is not None:
-            child.sendline(answer)
-    child.expect(pexpect.EOF)
-    child.close()
+    child, _ = wizard_at_a_terminal(tmp_path, answers)
     assert child.exitstatus == 0, child.before
     out = child.before
     config = load_config_from_file(str(tmp_path / "pty.yaml"))
@@ -168,14 +177,6 @@ def test_interactive_on_a_login_node_without_gpus_asks_once_early_and_writes_the
     """The common case: a cluster's 2 x 8 GPU config written on a login node with no GPU. The wizard asks right
     after "Use GPUs? yes" whether the config is for other machines, then writes it (never throws the answers
     away) and says what to check on the GPU machines. Machine 0's default address is never loopback."""
-    child = pexpect.spawn(
-        sys.executable,
-        ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)],
-        cwd=ROOT,
-        env={**env(), "CUDA_VISIBLE_DEVICES": ""},
-        encoding="utf-8",
-        timeout=60,
-    )
     answers = [
         ("How many machines", "2"),
         ("Use GPUs", "yes"),
@@ -192,14 +193,8 @@ def test_interactive_on_a_login_node_without_gpus_asks_once_early_and_writes_the
         ("Config name", "login"),
         ("SLURM", "yes"),
     ]
-    offered = None
-    for prompt, answer in answers:
-        child.expect(prompt)
-        if prompt.startswith("Address"):
-            offered = child.match.group(1)
-        child.sendline(answer)
-    child.expect(pexpect.EOF)
-    child.close()
+    child, matches = wizard_at_a_terminal(tmp_path, answers)
+    offered = next(m for prompt, m in matches.items() if prompt.startswith("Address")).group(1)  # its default
     out = child.before
     assert child.exitstatus == 0, out
     assert "127." not in offered, offered  # the other machine cannot reach a loopback address
@@ -211,15 +206,7 @@ def test_interactive_on_a_login_node_without_gpus_asks_once_early_and_writes_the
 
 
 def test_interactive_without_gpus_for_this_machine_switches_to_cpu_processes(tmp_path):
-    child = pexpect.spawn(
-        sys.executable,
-        ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)],
-        cwd=ROOT,
-        env={**env(), "CUDA_VISIBLE_DEVICES": ""},
-        encoding="utf-8",
-        timeout=60,
-    )
-    for prompt, answer in [
+    answers = [
         ("How many machines", "1"),
         ("Use GPUs", "yes"),
         ("No GPU is visible here", "no"),
@@ -228,11 +215,8 @@ def test_interactive_without_gpus_for_this_machine_switches_to_cpu_processes(tmp
         ("torch.compile", ""),
         ("Shard the model with FSDP", ""),
         ("Config name", "here"),
-    ]:
-        child.expect(prompt)
-        child.sendline(answer)
-    child.expect(pexpect.EOF)
-    child.close()
+    ]
+    child, _ = wizard_at_a_terminal(tmp_path, answers)
     assert child.exitstatus == 0, child.before
     config = load_config_from_file(str(tmp_path / "here.yaml"))
     assert (config.num_processes, config.use_cpu) == (2, True)
