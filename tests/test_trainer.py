@@ -105,3 +105,15 @@ def test_fp16_overflow_skips_are_counted_and_logged(tmp_path):
     assert t.progress.skipped_steps == 1
     event = t.log()
     assert event["skipped_steps"] == 1 and event["loss_scale"] == 2.0**9  # halved once by the overflow
+
+
+def test_the_callers_arguments_are_not_changed_and_a_second_trainer_scales_from_the_base(tmp_path):
+    from accel_trainer import resolve_args
+
+    values = dict(output_dir=str(tmp_path / "o"), max_steps=1, learning_rate=0.01, lr_scaling="linear",
+                  lr_base_batch_size=4, per_device_train_batch_size=16, disable_tqdm=True, overwrite_output_dir=True)  # fmt: skip
+    resolved = resolve_args(regression, values=values)
+    first, second = Trainer(regression, resolved), Trainer(regression, resolved)
+    assert resolved.targs.learning_rate == 0.01  # the resolved arguments keep the base value
+    assert first.args.learning_rate == second.args.learning_rate == 0.01 * 16 / 4  # each scales from the base
+    assert first.base_learning_rate == 0.01 and first.args is not resolved.targs
