@@ -242,9 +242,31 @@ def configure_wrapping(plugin, model, wrap=None) -> str:
         plugin.auto_wrap_policy = size_based_auto_wrap_policy
         plugin.min_num_params = DEFAULT_MIN_NUM_PARAMS
         return f"size-based: submodules over {DEFAULT_MIN_NUM_PARAMS} parameters (no transformer blocks named)"
+    # Accelerate 1.15's fsdp2_prepare_model makes the input and output embeddings units of their own after the
+    # policy has run, and fully_shard on a parameter that a wrapped ancestor already sharded fails ("Invariant
+    # encountered: value was None"). BERT names its BertEmbeddings in _no_split_modules, so BERT under FSDP failed
+    # at start-up. A class holding an embedding is therefore not a unit; the embedding is one (Accelerate's).
+    holders = _embedding_holders(model)
+    kept = [n for n in names if n not in holders]
+    if not kept:
+        plugin.auto_wrap_policy = size_based_auto_wrap_policy
+        plugin.min_num_params = DEFAULT_MIN_NUM_PARAMS
+        return f"size-based: submodules over {DEFAULT_MIN_NUM_PARAMS} parameters ({', '.join(names)} hold embeddings)"
     plugin.auto_wrap_policy = transformer_auto_wrap_policy
-    plugin.transformer_cls_names_to_wrap = names
-    return f"transformer blocks {', '.join(names)} (from {source})"
+    plugin.transformer_cls_names_to_wrap = kept
+    left_out = f"; not {', '.join(sorted(set(names) - set(kept)))}: holds the embeddings" if kept != names else ""
+    return f"transformer blocks {', '.join(kept)} (from {source}{left_out})"
+
+
+def _embedding_holders(model) -> set[str]:
+    """Class names of the modules that contain (not are) the model's input or output embedding."""
+    embeddings = [getattr(model, f"get_{io}_embeddings", lambda: None)() for io in ("input", "output")]
+    embeddings = [e for e in embeddings if isinstance(e, torch.nn.Module)]
+    return {
+        type(m).__name__
+        for m in model.modules()
+        if m is not model and any(e is not m and any(e is s for s in m.modules()) for e in embeddings)
+    }
 
 
 # ----------------------------------------------------------------------------------------------------- preparing
@@ -263,10 +285,70 @@ def prepare_sharded(accelerator, model, optimizer, *others, wrap=None):
         return accelerator.prepare(model, optimizer, *others), {}
     plugin = accelerator.state.fsdp_plugin
     description = configure_wrapping(plugin, model, wrap)
+    if plugin.cpu_ram_efficient_loading and _persistent_buffers(model):
+        _load_from_rank0_ourselves(accelerator, plugin, model)
+    norms = _batchnorms_in_fp32(accelerator, plugin, model, optimizer)
     prepared = accelerator.prepare(model, optimizer, *others)
     info = assert_sharded(accelerator, prepared[0])
-    info["wrap"] = description
+    info["wrap"] = description + (f"; {norms} BatchNorm units in fp32" if norms else "")
     return prepared, info
+
+
+def _persistent_buffers(model) -> list[str]:
+    """Names of the buffers a checkpoint holds (BatchNorm's running statistics): FSDP2 does not shard them."""
+    buffers = {name for name, _ in model.named_buffers()}
+    return [name for name in model.state_dict() if name in buffers]
+
+
+def _load_from_rank0_ourselves(accelerator, plugin, model) -> None:
+    """What cpu_ram_efficient_loading promises (every rank trains rank 0's weights), for a model with persistent
+    buffers. Accelerate 1.15's fsdp2_load_full_state_dict takes every state-dict entry for a sharded DTensor and
+    fails on a buffer ("'Tensor' object has no attribute 'device_mesh'": a CNN with BatchNorm under `accelerate
+    launch --use_fsdp`, whose flag default turns the option on). So rank 0 broadcasts parameters and buffers
+    before sharding, as DDP does at construction, and Accelerate's loader is switched off for this model."""
+    import torch.distributed as dist
+
+    on_meta = [name for name, t in model.state_dict().items() if t.is_meta]
+    if on_meta:  # transformers loaded the weights on rank 0 only: there is nothing here to receive them into
+        raise ShardingError(
+            f"FSDP with fsdp_cpu_ram_efficient_loading: this model has buffers ({_persistent_buffers(model)[0]}, "
+            f"...), which Accelerate 1.15 cannot load that way, and {on_meta[0]} is not loaded on rank "
+            f"{accelerator.process_index}. Set `fsdp_cpu_ram_efficient_loading: false` in the accelerate config "
+            "(or `--fsdp_cpu_ram_efficient_loading false`) so that every rank loads the model."
+        )
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            moved = t.to(accelerator.device)  # NCCL broadcasts device tensors only
+            dist.broadcast(moved, src=0)
+            if moved is not t:
+                t.copy_(moved)
+    plugin.cpu_ram_efficient_loading = False
+
+
+def _batchnorms_in_fp32(accelerator, plugin, model, optimizer) -> int:
+    """Under a bf16/fp16 parameter policy, make each BatchNorm an FSDP unit of its own that computes in fp32 and
+    hands the low-precision dtype on. Why: FSDP2 casts every parameter of a unit to the policy's dtype but never
+    the buffers, and batch_norm refuses bf16 weights beside fp32 running statistics ("expected scalar type
+    BFloat16 but found Float": a CNN under FSDP with bf16, at the first step). fp32 statistics are what one
+    wants anyway. Returns the number of such units. Before accelerator.prepare, so that the optimizer is given
+    the sharded parameters here (prepare maps the optimizer's parameters by identity)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    low = getattr(plugin.mixed_precision_policy, "param_dtype", None)
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    if not norms or low in (None, torch.float32):
+        return 0
+    owner = {id(p): (m, name) for m in norms for name, p in m.named_parameters(recurse=False)}
+    mesh = getattr(accelerator, "torch_device_mesh", None)  # as Accelerate's fsdp2_prepare_model chooses it
+    mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)
+    for m in norms:
+        fully_shard(m, mesh=mesh, mp_policy=policy, offload_policy=plugin.cpu_offload)
+    opt = getattr(optimizer, "optimizer", optimizer)
+    for group in opt.param_groups:  # fully_shard replaced the modules' parameters by sharded ones
+        group["params"] = [getattr(*owner[id(p)]) if id(p) in owner else p for p in group["params"]]
+    return len(norms)
 
 
 def _fsdp_root(model):

@@ -371,7 +371,10 @@ class LookaheadSGD(torch.optim.SGD):
         self.step_count, self.ema = 0, None
 
     def _floats(self):
-        return [v for v in self.model.state_dict().values() if v.is_floating_point()]
+        # Under FSDP2 the parameters are DTensors beside plain buffers, and one _foreach op over both fails: each
+        # rank averages its own shards (to_local shares their storage), the buffers whole.
+        local = (v.to_local() if hasattr(v, "to_local") else v for v in self.model.state_dict().values())
+        return [v for v in local if v.is_floating_point()]
 
     @torch.no_grad()
     def step(self, closure=None):

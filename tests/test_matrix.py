@@ -76,15 +76,6 @@ REFUSED = {
 }
 
 
-# Pairs that fail today for a reason outside this project's code, kept out of the matrix's rows (so that they do not
-# hide the other pairs of a row) and run alone by test_known_failures, expected to fail: it fails loudly once fixed.
-KNOWN_FAILURES = {
-    (("model", "bert"), ("world", "fsdp")): "Accelerate 1.15's fsdp2_prepare_model shards BERT's input embedding twice "
-    "(torch: 'Invariant encountered: value was None' in _init_sharding_spec_tp), a traceback at start-up",
-    (("model", "cifar"), ("world", "fsdp")): "Accelerate 1.15's fsdp2_load_full_state_dict (cpu_ram_efficient_loading) "
-    "takes BatchNorm's buffers for DTensors ('Tensor' object has no attribute 'device_mesh'), a traceback at start-up",
-}
-
 # Pairs that run, covered by a run of their own instead of in the rows (so that the rows stay cheap): the smallest
 # row holding the pair, asserted like every row (test_pairs_run_alone).
 RUN_ALONE = {
@@ -100,7 +91,6 @@ def allowed(row: dict) -> bool:
     rules = [
         # refused on purpose (REFUSED)
         not (g("world") == "fsdp" and g("ema")),
-        not (g("model") in ("bert", "cifar") and g("world") == "fsdp"),  # KNOWN_FAILURES
         not (g("world") == "fsdp" and g("compile")),  # RUN_ALONE
         not (g("grad_ckpt") and g("model") in ("reg", "cifar")),
         # not meaningful: the flag does nothing there
@@ -396,17 +386,6 @@ def test_refused_pairs_say_so_in_one_line(pair, files, tmp_path):
     assert not re.search(r"^Traceback" if row["world"] == "1" else r"^\[rank\d+\]: Traceback", log, re.M), log[-4000:]
     assert not os.path.exists(out) or not os.listdir(out)
     shutil.rmtree(out + ".cache", ignore_errors=True)
-
-
-@pytest.mark.parametrize("pair", list(KNOWN_FAILURES), ids=lambda p: f"{p[0][0]}={p[0][1]}+{p[1][0]}={p[1][1]}")
-def test_known_failures(pair, files, tmp_path):
-    """The smallest run of a KNOWN_FAILURES pair still fails (strict: once it passes, move the pair into the matrix)."""
-    (a, va), (b, vb) = pair
-    row = {**ROWS[0], a: va, b: vb}
-    result = launch(row, row["world"], files, str(tmp_path / "known"))
-    if result["rc"] != 0:
-        pytest.xfail(KNOWN_FAILURES[pair])
-    raise AssertionError(f"{pair} runs now: move it from KNOWN_FAILURES into the matrix")
 
 
 @pytest.mark.parametrize("pair", list(RUN_ALONE), ids=lambda p: f"{p[0][0]}={p[0][1]}+{p[1][0]}={p[1][1]}")

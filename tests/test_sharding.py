@@ -398,6 +398,19 @@ def test_wrap_policy_and_mixed_precision_policy(monkeypatch):
     assert sharding.configure_wrapping(plugin(), mlp).startswith("size-based")  # no classes named: by size
     with pytest.raises(sharding.ShardingError, match="no module of class GPT2Block"):
         sharding.configure_wrapping(plugin(**transformer), mlp, wrap=["GPT2Block"])
+    # BERT's _no_split_modules names BertEmbeddings, which holds the input embedding that Accelerate makes a unit of
+    # its own after the policy ran: sharding it twice failed at start-up, so only BertLayer is a block.
+    from transformers import BertConfig, BertForSequenceClassification
+
+    bert = BertForSequenceClassification(
+        BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )
+    assert "BertEmbeddings" in bert._no_split_modules
+    bert_plugin = plugin(**transformer)
+    assert sharding.configure_wrapping(bert_plugin, bert) == (
+        "transformer blocks BertLayer (from _no_split_modules; not BertEmbeddings: holds the embeddings)"
+    )
+    assert bert_plugin.transformer_cls_names_to_wrap == ["BertLayer"]
     policy = sharding.mixed_precision_policy("bf16", "fp32")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert sharding.mixed_precision_policy("bf16", None) is None  # Accelerate's default: all bf16
