@@ -359,6 +359,15 @@ class LookaheadSGD(torch.optim.SGD):
     pulls the training weights themselves back (it changes the trajectory), on a schedule tied to the run length.
     It lives in the optimizer so that it runs right after each update, under any Trainer, and is checkpointed
     with the optimizer state.
+
+    Where that state lives: where torch's distributed checkpoint (DCP, which saves the optimizer under FSDP) keeps
+    and reshards optimizer state, so that a resume goes on with the same lookahead on any launch. A parameter's EMA
+    is its optimizer state (`state[p]["lookahead_ema"]`: a DTensor shard under FSDP, like its momentum); the step
+    count and the EMA of the buffers (plain tensors, the same on every rank: sharding.py keeps buffers replicated
+    under FSDP) are a value of the first param group. get_optimizer_state_dict keeps only "state" and
+    "param_groups": a top-level key of state_dict() was dropped, and a resumed FSDP run restarted its count at 0
+    and never pulled back again. Frozen parameters (whitening weights, BatchNorm scales) average to themselves:
+    they need no EMA.
     """
 
     def __init__(
@@ -368,45 +377,98 @@ class LookaheadSGD(torch.optim.SGD):
         self.model, self.start_frac, self.every, self.enabled = model, start_frac, every, enabled
         self.decay_base, self.decay_pow = decay_base, decay_pow
         self.total_steps = None  # set by build_scheduler, which knows the run length
-        self.step_count, self.ema = 0, None
+        self.param_groups[0]["lookahead"] = _new_lookahead_state()
+        self._buffer_names = None
 
-    def _floats(self):
-        # Under FSDP2 the parameters are DTensors beside plain buffers, and one _foreach op over both fails: each
-        # rank averages its own shards (to_local shares their storage), the buffers whole.
-        local = (v.to_local() if hasattr(v, "to_local") else v for v in self.model.state_dict().values())
-        return [v for v in local if v.is_floating_point()]
+    @property
+    def step_count(self) -> int:
+        return self.param_groups[0]["lookahead"]["step"]
+
+    def _params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _buffers(self) -> dict:
+        """The net's floating buffers that a checkpoint holds (BatchNorm running statistics), by name."""
+        if self._buffer_names is None:  # the names once: state_dict() at every step would cost more than the rest
+            persistent = self.model.state_dict().keys()
+            self._buffer_names = {n for n, b in self.model.named_buffers() if n in persistent and b.is_floating_point()}
+        return {n: b for n, b in self.model.named_buffers() if n in self._buffer_names}
+
+    def _allocate(self):
+        """The EMA tensors, at the first step. Not at construction: DCP loads into the state a fresh optimizer has
+        after one zero-lr step (get_optimizer_state_dict runs it only while the state is empty), so the EMA must
+        exist after a step, and must not exist before one (SGD's momentum would then not be created to load into)."""
+        for p in self._params():
+            if "lookahead_ema" not in self.state[p]:
+                self.state[p]["lookahead_ema"] = p.detach().clone()
+        averaged = self.param_groups[0]["lookahead"]["buffers"]
+        for name, b in self._buffers().items():
+            if name not in averaged:
+                averaged[name] = b.detach().clone()
+
+    def _pairs(self):
+        """(EMA tensors, the net's tensors they average), as plain tensors: under FSDP2 the parameters are DTensors
+        beside plain buffers, and one _foreach op over both fails; each rank averages its own shards (to_local
+        shares their storage), the buffers whole."""
+
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        params, buffers = self._params(), self._buffers()
+        averaged = self.param_groups[0]["lookahead"]["buffers"]
+        ema = [local(self.state[p]["lookahead_ema"]) for p in params] + [averaged[n] for n in buffers]
+        return ema, [local(p) for p in params] + list(buffers.values())
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = super().step(closure)
-        self.step_count += 1
-        total = self.total_steps
-        if not self.enabled or total is None or self.step_count < self.start_frac * total:
+        state = self.param_groups[0]["lookahead"]
+        state["step"] += 1
+        if not self.enabled:
             return loss
-        if self.step_count % self.every == 0 or self.step_count == total:
-            if self.ema is None:
-                self.ema = [v.detach().clone() for v in self._floats()]
-            else:
-                rho = (self.decay_base**self.every) * (self.step_count / total) ** self.decay_pow
-                if self.step_count % self.every != 0:
-                    rho = 1.0  # the last step: back to the average, no new weights taken in
-                net = self._floats()
-                torch._foreach_lerp_(self.ema, net, 1 - rho)
-                torch._foreach_copy_(net, self.ema)
+        self._allocate()
+        n, total = state["step"], self.total_steps
+        if total is None or n < self.start_frac * total or (n % self.every != 0 and n != total):
+            return loss
+        ema, net = self._pairs()
+        if not state["started"]:
+            torch._foreach_copy_(ema, net)  # the average starts from the net
+            state["started"] = True
+        else:
+            rho = (self.decay_base**self.every) * (n / total) ** self.decay_pow
+            if n % self.every != 0:
+                rho = 1.0  # the last step: back to the average, no new weights taken in
+            torch._foreach_lerp_(ema, net, 1 - rho)
+            torch._foreach_copy_(net, ema)
         return loss
-
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["lookahead"] = {"step_count": self.step_count, "ema": self.ema}
-        return sd
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
-        la = state_dict.pop("lookahead", None)
+        legacy = state_dict.pop("lookahead", None)  # the earlier format: a top-level key
         super().load_state_dict(state_dict)
-        if la is not None:
-            self.step_count = la["step_count"]
-            self.ema = None if la["ema"] is None else [t.to(v.device) for t, v in zip(la["ema"], self._floats())]
+        state = self.param_groups[0].setdefault("lookahead", _new_lookahead_state())
+        if legacy is not None:
+            self._load_legacy(legacy)
+        # torch moves each parameter's state to its parameter's device, not values of a param group (Accelerate
+        # reads optimizer.bin onto the CPU on one GPU): the buffers' averages go to their buffers' device here.
+        buffers = self._buffers()
+        state["buffers"] = {n: t.to(buffers[n].device) if n in buffers else t for n, t in state["buffers"].items()}
+
+    def _load_legacy(self, old):
+        """{"step_count", "ema": None, or the averages of all the net's floating state-dict entries, in order}."""
+        state = self.param_groups[0]["lookahead"]
+        state["step"] = old["step_count"]
+        if old["ema"] is None:
+            return
+        floats = [n for n, v in self.model.state_dict().items() if v.is_floating_point()]
+        averages, names = dict(zip(floats, old["ema"])), {p: n for n, p in self.model.named_parameters()}
+        for p in self._params():
+            self.state[p]["lookahead_ema"] = averages[names[p]].to(p.device)
+        state["buffers"], state["started"] = {n: averages[n] for n in self._buffers()}, True
+
+
+def _new_lookahead_state() -> dict:
+    return {"step": 0, "started": False, "buffers": {}}
 
 
 def build_optimizer(model, ctx):

@@ -299,13 +299,82 @@ def test_lookahead_pulls_weights_to_their_average():
             assert (p - q).abs().max() > 1e-4
             assert ((p - q) * g).sum() > 0  # ...i.e. less far along -g
     # The last step copies the average into the net: every float tensor of the net equals its average.
-    for avg, cur in zip(opt.ema, opt._floats()):
+    ema, current = opt._pairs()
+    assert len(ema) == 1 + 2 * 6  # the head weight, BatchNorm running mean and variance of the 6 norms
+    for avg, cur in zip(ema, current):
         torch.testing.assert_close(avg, cur)
+    assert opt.step_count == 7
+
+
+def _lookahead_run(net, steps, total=8, state=None):
+    """LookaheadSGD over all of `net`'s trainable parameters for `steps` train-mode steps on fixed inputs (the
+    average starts at step 2, pulls at 4, 6 and 8), optionally starting from a saved `state` (a callable that
+    loads into the new optimizer). Returns the optimizer."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = cifar.LookaheadSGD([{"params": params}], net, lr=0.05, momentum=0.8, start_frac=0.25, every=2)
+    opt.total_steps = total
+    if state is not None:
+        state(opt)
+    for _ in range(steps):
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(opt.step_count))  # this step's batch
+        net(x).square().mean().backward()  # train mode: the BatchNorm statistics move too
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _earlier_format(opt, net) -> dict:
+    """opt.state_dict() as LookaheadSGD wrote it before its state moved into the param groups: a top-level
+    "lookahead" key with the step count and one average per floating state-dict entry of the net, in order."""
     sd = opt.state_dict()
-    assert sd["lookahead"]["step_count"] == 7
-    again = cifar.LookaheadSGD([{"params": [p]}], net, lr=0.1, momentum=0.5)
-    again.load_state_dict(sd)
-    assert again.step_count == 7 and len(again.ema) == len(opt.ema)
+    la = sd["param_groups"][0]["lookahead"]
+    sd["param_groups"] = [{k: v for k, v in g.items() if k != "lookahead"} for g in sd["param_groups"]]
+    sd["state"] = {i: {k: v for k, v in s.items() if k != "lookahead_ema"} for i, s in sd["state"].items()}
+    averaged, named = {id(p): opt.state[p]["lookahead_ema"] for p in opt._params()}, dict(net.named_parameters())
+    floats = {k: v for k, v in net.state_dict().items() if v.is_floating_point()}
+    ema = [averaged.get(id(named[k]), v) if k in named else la["buffers"][k] for k, v in floats.items()]
+    return sd | {"lookahead": {"step_count": la["step"], "ema": ema}}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on this one process, no group: intended
+@pytest.mark.parametrize("how", ["torch.save", "dcp", "earlier format"])
+def test_lookahead_state_survives_a_checkpoint(how, tmp_path):
+    """Save after 5 steps (the average started at 2, pulled at 4), load into a new net and optimizer, go on to 8:
+    bit-identical to 8 steps without a break. torch.save is what Accelerate writes without FSDP; DCP with torch's
+    get_/set_optimizer_state_dict is how it saves and loads an FSDP optimizer (and load_resharded on 1 process):
+    that kept only "state" and "param_groups" and dropped the lookahead's step count and averages. A checkpoint
+    of the earlier format (torch.save) still loads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def new_net():
+        torch.manual_seed(0)
+        return cifar.CifarNet(widths=(4, 8, 8))
+
+    whole = new_net()
+    _lookahead_run(whole, 8)
+    net = new_net()
+    opt = _lookahead_run(net, 5)
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    resumed = new_net()
+    resumed.load_state_dict(weights)
+    if how == "dcp":
+        dcp.save({"optimizer": get_optimizer_state_dict(net, opt)}, checkpoint_id=str(tmp_path / "optimizer_0"))
+
+        def load(new_opt):
+            state = {"optimizer": get_optimizer_state_dict(resumed, new_opt)}  # a template: DCP loads into it
+            dcp.load(state, checkpoint_id=str(tmp_path / "optimizer_0"))
+            set_optimizer_state_dict(resumed, new_opt, state["optimizer"])
+    else:
+        torch.save(opt.state_dict() if how == "torch.save" else _earlier_format(opt, net), tmp_path / "optimizer.bin")
+
+        def load(new_opt):
+            new_opt.load_state_dict(torch.load(tmp_path / "optimizer.bin", weights_only=True))
+
+    opt = _lookahead_run(resumed, 3, state=load)
+    assert opt.step_count == 8
+    for k, v in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k], v), f"{k}: not bit-identical to the run without a break"
 
 
 # ----------------------------------------------------------------------------------------------------------------
