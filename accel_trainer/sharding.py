@@ -291,6 +291,8 @@ def prepare_sharded(accelerator, model, optimizer, *others, wrap=None):
     prepared = accelerator.prepare(model, optimizer, *others)
     info = assert_sharded(accelerator, prepared[0])
     info["wrap"] = description + (f"; {norms} BatchNorm units in fp32" if norms else "")
+    if _replicate_buffers(prepared[0], prepared[1]):
+        info["wrap"] += "; buffers replicated from rank 0 at each step"
     return prepared, info
 
 
@@ -298,6 +300,48 @@ def _persistent_buffers(model) -> list[str]:
     """Names of the buffers a checkpoint holds (BatchNorm's running statistics): FSDP2 does not shard them."""
     buffers = {name for name, _ in model.named_buffers()}
     return [name for name in model.state_dict() if name in buffers]
+
+
+def _replicate_buffers(model, optimizer) -> bool:
+    """Give every rank rank 0's floating buffers (BatchNorm running statistics) at each optimizer step, before
+    the update: one broadcast of them all, flattened. Returns whether the model has such buffers (else nothing
+    is installed).
+
+    Why: FSDP2 shards parameters only; each rank's buffers move with its own batches and drift apart. A sharded
+    checkpoint (DCP) takes a plain tensor for replicated and saves ONE rank's copy (the rank that has written
+    least so far), and a resume loads it into every rank: the resumed run's ranks then agree where the
+    uninterrupted run's did not, and a same-world fp32 resume was not bit-identical. Rank 0's values, as DDP
+    (broadcast_buffers=True) and the full model (model.safetensors holds rank 0's) have them: rank 0 never
+    receives, so its trajectory is the one it had without any of this.
+    Why at the step: it follows every backward of the update, and precedes whatever reads buffers across ranks
+    before the next forward: the optimizer itself (the CIFAR recipe's lookahead averages buffers into its
+    state), a checkpoint, an eval. Not after each forward: batch_norm's autograd node keeps the running
+    statistics it updated, and changing them before the backward fails it ("modified by an inplace operation").
+    Not before each forward, DDP's place: after the forward the ranks differ again, and the lookahead and a
+    checkpoint would read that. Not only at save time: the lookahead's averages of the buffers would already
+    differ by rank. Cost: one broadcast of a few KB per update.
+    Not covered: after an update that does not step (--nan_policy skip, an fp16 overflow) the ranks' buffers
+    differ until the next step; a checkpoint of exactly that update holds one rank's."""
+    import torch.distributed as dist
+
+    persistent = set(model.state_dict())
+    names = [n for n, b in model.named_buffers() if n in persistent and b.is_floating_point()]
+    if not names:
+        return False
+
+    @torch.no_grad()
+    def broadcast_from_rank0(*_):
+        buffers = dict(model.named_buffers())
+        by_kind: dict = {}  # one flat tensor per dtype and device (torch.cat needs one of each)
+        for n in names:
+            by_kind.setdefault((buffers[n].dtype, buffers[n].device), []).append(buffers[n])
+        for group in by_kind.values():
+            flat = torch.cat([b.reshape(-1) for b in group])
+            dist.broadcast(flat, src=0)
+            torch._foreach_copy_(group, [v.view_as(b) for v, b in zip(flat.split([b.numel() for b in group]), group)])
+
+    getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(broadcast_from_rank0)
+    return True
 
 
 def _load_from_rank0_ourselves(accelerator, plugin, model) -> None:
