@@ -12,6 +12,7 @@ from accelerate.utils import (
     DataLoaderConfiguration,
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
+    DistributedType,
     GradScalerKwargs,
     InitProcessGroupKwargs,
 )
@@ -125,6 +126,12 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         raise UserError(
             "--sync_batchnorm needs CUDA GPUs: torch's SyncBatchNorm does not run on CPU processes. Drop the flag "
             "here (each process then normalises over its own part of the batch)."
+        )
+    if args.ddp_comm_hook != "none" and accelerator.distributed_type == DistributedType.FSDP:
+        # Accelerate registers the hook only on a DDP model: under FSDP it would be dropped without a word.
+        raise UserError(
+            f"--ddp_comm_hook {args.ddp_comm_hook} compresses DDP's gradient all-reduce; this run shards with FSDP, "
+            "which reduce-scatters gradients instead. Drop the flag; --fsdp_reduce_dtype bf16 halves that traffic."
         )
     if args.ddp_comm_hook == "bf16" and accelerator.num_processes > 1 and accelerator.state.backend != "nccl":
         raise UserError(

@@ -165,7 +165,9 @@ class TrainingArguments:
     ddp_find_unused_parameters: bool = field(default=False, metadata={"help": "DDP find_unused_parameters."})
     ddp_comm_hook: str = field(
         default="none",
-        metadata={"help": "DDP gradient communication hook: none, fp16, bf16, power_sgd, batched_power_sgd."},
+        metadata={
+            "help": "DDP only (refused under FSDP): gradient communication hook: none, fp16, bf16, power_sgd, batched_power_sgd."
+        },
     )
     powersgd_rank: int = field(default=1, metadata={"help": "matrix_approximation_rank for power_sgd hooks."})
     fsdp_reduce_dtype: str | None = field(

@@ -73,6 +73,7 @@ REFUSED = {
     (("model", "cifar"), ("grad_ckpt", True)): "--gradient_checkpointing needs a transformers model",
     (("world", "ddp"), ("sync_bn", True)): "--sync_batchnorm needs CUDA GPUs",  # on CPU processes, as here
     (("world", "fsdp"), ("sync_bn", True)): "--sync_batchnorm needs CUDA GPUs",
+    (("world", "fsdp"), ("hook", "fp16")): "--ddp_comm_hook fp16 compresses DDP's gradient all-reduce",
 }
 
 
@@ -94,7 +95,8 @@ def allowed(row: dict) -> bool:
         not (g("world") == "fsdp" and g("compile")),  # RUN_ALONE
         not (g("grad_ckpt") and g("model") in ("reg", "cifar")),
         # not meaningful: the flag does nothing there
-        not (g("hook") == "fp16" and g("world") in ("1", "fsdp")),  # a DDP communication hook
+        not (g("hook") == "fp16" and g("world") == "fsdp"),  # REFUSED
+        not (g("hook") == "fp16" and g("world") == "1"),  # a DDP communication hook without DDP: nothing to do
         not (g("sync_bn") and g("world") in ("ddp", "fsdp")),  # refused on CPU processes; a GPU-only test
         not (g("sync_bn") and g("lifecycle") in ("world", "elastic")),  # ... and so on the 2-process resume
         not (g("sync_bn") and g("model") in ("reg", "gpt2", "bert")),  # only a BatchNorm net has something to sync
