@@ -2,17 +2,8 @@
 
     __init__   resolve the arguments, build the Accelerator, the recipe's model/data/optimizer/scheduler, prepare
     fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
-    update     forward/backward each micro-batch, normalise by items, clip, step, schedule, EMA
+    update     one optimizer update (update.py: item-weighted accumulation, clip, step, schedule, EMA); the step count
     evaluate   every eval sample once on any world size, `evaluate` metrics, the evaluate_end event
-
-Gradient accumulation is ours, not `accelerator.accumulate`: one update's gradient must be the mean over every
-item (sample or token) of the global batch, weighted by item count, on any world size. Each micro-batch's
-backward uses its summed loss (mean x n_items); before the window's last backward (the one DDP communicates) the
-item count N of the whole global batch is all-reduced once, the gradients so far are scaled by world_size / N and
-the last backward uses mean x n_items x world_size / N (DDP then averages over ranks): what is communicated is of
-mean size, which a compressing comm hook (fp16) needs. Under FSDP the same scaling comes after the last backward.
-With one process and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a
-plain loop).
 
 Sharded training (FSDP2, docs/sharding.md) is the same loop: accel.py makes Accelerate shard (on CPU too),
 prepare goes through sharding.prepare_sharded, checkpoints are DCP shards and save_model gathers the full model.
@@ -29,7 +20,6 @@ import os
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
@@ -49,10 +39,8 @@ from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
 from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops
+from .update import Updater, is_plain_torch
 
-# Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
-# Accelerate's per-step wrappers (which cost ~0.6 ms/step on a small model, mostly a package lookup).
-_PLAIN_TORCH_TYPES = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best")
 
 
@@ -216,16 +204,8 @@ class Trainer:
             else None
         )
 
-        # The fast path: call torch's optimizer, scaler and backward directly where Accelerate adds nothing (not
-        # FSDP: its gradient-sync switch and DTensor-aware clipping are Accelerate's).
-        self._plain_torch = acc.distributed_type in _PLAIN_TORCH_TYPES
-        self._inner_opt = self.optimizer.optimizer
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._weighted = acc.num_processes > 1 or args.gradient_accumulation_steps > 1
-
         self.progress = Progress()
         self._log_window: list = []  # (loss tensor, step) per update since the last log
-        self._grad_norm = None  # of the last update (None: not clipped, or the update was skipped)
         self._train_iter = None  # fetch_batch()'s position
         self._saved_step = None
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
@@ -233,6 +213,10 @@ class Trainer:
         self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
         self._writer = self._async_writer() if args.save_async else None
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
+        self.updater = Updater(
+            acc, self.model, self.optimizer, self.scheduler, r.loss, args, ema=self.ema, meter=self.meter,
+            preemption=self.preemption,
+        )  # fmt: skip
         if args.profile_steps:
             from .profiling import UpdateProfiler
 
@@ -517,120 +501,15 @@ class Trainer:
         return it
 
     def update(self, window: list, schedule: bool = True):
-        """One optimizer update over a window of micro-batches (this rank's share of the global batch). Returns
-        the mean loss over every item of the global batch (a tensor; no host sync)."""
-        acc, args, p = self.accelerator, self.args, self.progress
-        loss_sum, n_sum = 0.0, 0
-        flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
-        with flops or nullcontext():
-            for i, batch in enumerate(window):
-                last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
-                with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
-                    loss, n = self.recipe.loss(self.model, batch)
-                    loss_sum = loss_sum + loss.detach() * n
-                    n_sum = n_sum + n
-                    if not self._weighted:
-                        self._backward(loss)
-                    elif last and not self.sharded:  # DDP: scaled to the mean before it is communicated
-                        loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
-                        self._backward(loss * n * self._to_mean(n_sum))
-                    else:
-                        self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
-        if self._weighted and self.sharded:
-            # FSDP2 accumulates a window's gradients inside its unsharded parameters, out of our reach until the
-            # last backward's reduce-scatter writes the sharded .grad: scaled after it (see _to_mean).
-            loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
-            self._to_mean(n_sum)
-        if flops is not None:
-            self.meter.counted(flops)
-        loss_mean = (loss_sum / n_sum).detach()
-        self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
-        self._grad_norm = None
-        if args.max_grad_norm > 0:
-            self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
-        # A finite loss can still give non-finite gradients (and NaN weights after the step): the grad norm is
-        # checked with the loss, by the same --nan_policy. Not under fp16: an overflow is the scaler's to skip.
-        grad_norm = None
-        if acc.scaler is None:
-            grad_norm = self._grad_norm if self._grad_norm is not None else self._total_grad_norm()
-            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor; the global value, the same on every rank
-                grad_norm = grad_norm.full_tensor()
-        if args.nan_policy == "skip" and not (
-            torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
-        ):
-            stepped, self._grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
-        else:
-            stepped = self._optimizer_step()
-        if stepped:
-            if schedule:
-                self.scheduler.step()
-            if self.ema is not None:
-                self.ema.update_parameters(self.unwrapped_model)
-        else:
+        """One optimizer update over a window of micro-batches (this rank's share of the global batch; update.py).
+        Returns the mean loss over every item of the global batch (a tensor; no host sync)."""
+        p = self.progress
+        done = self.updater(window, schedule=schedule)
+        if not done.stepped:
             p.skipped_steps += 1
-        self._inner_opt.zero_grad(set_to_none=True)
         p.global_step += 1
-        self._log_window.append((loss_mean, grad_norm if stepped else None, p.global_step))
-        return loss_mean
-
-    def _total_grad_norm(self):
-        """The global gradient norm without clipping (a tensor, no host sync): torch's foreach kernels, one pass
-        over the gradients (under FSDP a DTensor of the shards' norms)."""
-        grads = [q.grad for q in self._params if q.grad is not None]
-        if not grads:
-            return None
-        return torch.nn.utils.get_total_norm(grads, foreach=True)
-
-    def _reduce_totals(self, loss_sum, n_sum):
-        """The window's loss sum and item count over every rank: the update's one all-reduce, before the last
-        backward (the preemption vote rides on it: no extra collective)."""
-        acc = self.accelerator
-        totals = torch.stack(
-            [
-                torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                self.preemption.vote(),
-            ]
-        )
-        if acc.num_processes > 1:
-            totals = acc.reduce(totals, reduction="sum")
-            self.preemption.record(totals[2])
-        return totals[0], totals[1]
-
-    def _to_mean(self, n_total):
-        """The factor that makes the window's summed-loss gradients the mean over all N items of the global batch,
-        once DDP (FSDP: on the DTensor shards) has averaged over ranks: world_size / N, applied to the gradients
-        there are (returned for the last micro-batch's loss). Without FSDP it is applied before the gradient is
-        communicated -- to the gradients accumulated so far, and to the last micro-batch's loss -- so that what a
-        compressing comm hook sees (fp16: cast before the division) is of mean size, not item-count times larger
-        (inf above fp16's 65504). clamp: a window with no items leaves the gradients at zero."""
-        scale = self.accelerator.num_processes / n_total.clamp(min=1)
-        grads = [q.grad for q in self._params if q.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
-        return scale
-
-    def _backward(self, loss):
-        if not self._plain_torch:
-            self.accelerator.backward(loss)
-        elif self.accelerator.scaler is not None:
-            self.accelerator.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-
-    def _optimizer_step(self) -> bool:
-        """Step the optimizer; False when fp16 loss scaling skipped the step (an overflow)."""
-        scaler = self.accelerator.scaler
-        if not self._plain_torch:
-            self.optimizer.step()
-            return not self.optimizer.step_was_skipped
-        if scaler is None:
-            self._inner_opt.step()
-            return True
-        scale = scaler.get_scale()
-        scaler.step(self._inner_opt)
-        scaler.update()
-        return scaler.get_scale() >= scale  # the scale only drops when an inf/nan gradient skipped the step
+        self._log_window.append((done.loss, done.grad_norm if done.stepped else None, p.global_step))
+        return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
         """One metrics.jsonl row for the updates since the last log (the only host sync of the loop)."""
@@ -644,8 +523,8 @@ class Trainer:
             "loss": losses[finite].mean().item() if finite.any() else float("nan"),
             "learning_rate": self.scheduler.get_last_lr()[0],
         }
-        if self._grad_norm is not None:
-            metrics["grad_norm"] = float(self._grad_norm)
+        if self.updater.grad_norm is not None:
+            metrics["grad_norm"] = float(self.updater.grad_norm)
         if self.accelerator.scaler is not None:
             metrics["loss_scale"] = self.accelerator.scaler.get_scale()
         if self.progress.skipped_steps or self.accelerator.scaler is not None or self.args.nan_policy == "skip":
@@ -822,7 +701,7 @@ class Trainer:
     def _async_writer(self):
         from .async_save import AsyncWriter
 
-        if not (self._plain_torch or self.sharded):
+        if not (is_plain_torch(self.accelerator) or self.sharded):
             raise UserError(
                 f"--save_async supports one process, DDP and FSDP2, not {self.accelerator.distributed_type}; "
                 "drop --save_async."
