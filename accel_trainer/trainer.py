@@ -14,7 +14,6 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -23,15 +22,14 @@ import time
 from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
-from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import DistributedType, find_batch_size, send_to_device, set_seed
+from accelerate.utils import DistributedType, send_to_device, set_seed
 from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import faults, precision, sharding, streaming
+from . import evaluation, faults, precision, sharding, streaming
 from .accel import build_accelerator
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
@@ -563,35 +561,10 @@ class Trainer:
         return self.progress.epoch + self.progress.batch_in_epoch / self.micro_batches_per_epoch
 
     # ------------------------------------------------------------------------------------------------ evaluation
-    def _eval_outputs(self, model, batch) -> dict:
-        """Per-sample tensors for gather_for_metrics: `loss` (summed over the sample's items), `n_items`, and
-        `predictions`/`references` when the recipe gives them. A per-batch mean loss is spread evenly over the
-        batch's samples, which is exact when every sample has the same number of items."""
-        out = dict(self.recipe.eval_step(model, batch)) if self.recipe.eval_step else {}
-        if "loss" not in out:
-            out["loss"], out["n_items"] = self.recipe.loss(model, batch)
-        loss, n = out["loss"], torch.as_tensor(out["n_items"], device=self.accelerator.device)
-        if loss.ndim == 0:
-            B = len(out["references"]) if "references" in out else find_batch_size(batch)
-            out["loss"] = (loss.float() * n / B).expand(B)
-            out["n_items"] = (n.float() / B).expand(B)
-        return out
-
     def gather_eval(self, out: dict) -> dict:
         """Per-sample eval tensors of this rank's batch -> those of every rank, each sample of the split once.
-        Also for evaluate_end handlers (e.g. test-time augmentation) that loop over `trainer.eval_loader`."""
-        acc = self.accelerator
-        if isinstance(self.eval_loader, DataLoaderShard):
-            return acc.gather_for_metrics(out)  # drops the samples Accelerate repeated to even out the ranks
-        if acc.num_processes == 1:
-            return out
-        # A recipe's batch loader gives disjoint shards whose batch sizes may differ by rank: pad to a common
-        # size, gather, and keep the real rows (all ranks must yield the same number of batches).
-        # (int64, not bool: gloo cannot gather bool tensors.)
-        out = dict(out, _valid=torch.ones(len(next(iter(out.values()))), dtype=torch.int64, device=acc.device))
-        gathered = acc.gather(acc.pad_across_processes(out, dim=0))
-        valid = gathered.pop("_valid").bool()
-        return {k: v[valid] for k, v in gathered.items()}
+        For evaluate_end handlers (e.g. test-time augmentation) that loop over `trainer.eval_loader`."""
+        return evaluation.gather(self.accelerator, self.eval_loader, out)
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -600,65 +573,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, final: bool = False) -> dict:
-        """Loss and metrics over the whole eval split; every sample counted once on any world size."""
-        acc, model = self.accelerator, self.eval_model
-        metrics = self.recipe.build_metrics(self.ctx) if self.recipe.build_metrics else {}
+        """Loss and metrics over the whole eval split (evaluation.py), then the evaluate_end event's extras; logged,
+        and the best model kept with --metric_for_best_model."""
         results: dict = {}
         if self.eval_loader is not None:
-            was_training = model.training
-            model.eval()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
-            n_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
-            n_samples = 0
-            if hasattr(self.eval_loader, "set_epoch"):
-                self.eval_loader.set_epoch(0)
-            for batch in self.eval_loader:
-                out = self.gather_eval(self._eval_outputs(model, batch))
-                loss_sum += out["loss"].double().sum()
-                n_sum += out["n_items"].double().sum()
-                n_samples += len(out["loss"])
-                if "predictions" in out:
-                    for m in metrics.values():
-                        m.add_batch(predictions=out["predictions"].cpu(), references=out["references"].cpu())
-            results["eval_loss"] = (loss_sum / n_sum.clamp(min=1)).item()
-            results["eval_samples"] = n_samples  # every sample of the split exactly once, on any world size
-            for m in metrics.values():
-                results.update({f"eval_{k}": v for k, v in (m.compute() or {}).items()})
-            model.train(was_training)
+            results = evaluation.evaluate(self.accelerator, self.recipe, self.ctx, self.eval_model, self.eval_loader)
         for extra in self.events.fire("evaluate_end", self, dict(results), final):
             results.update(extra or {})
         if results:
             self.reporter.log(results, self.global_step, self._epoch_float())
             if self.args.metric_for_best_model:
-                self._keep_if_best(results)
+                evaluation.keep_if_best(self.accelerator, self.args, self.progress, results, self.save_model)
         return results
-
-    def _keep_if_best(self, results: dict):
-        """output_dir/best/: model.safetensors (the evaluated weights) and best.json of the best evaluation so far,
-        kept apart from checkpoints (save_total_limit never deletes it). The best value is part of the checkpoint
-        state, so a resumed run keeps comparing against it."""
-        name, p = self.args.metric_for_best_model, self.progress
-        key = name if name in results else f"eval_{name}"
-        if key not in results:
-            raise UserError(
-                f"--metric_for_best_model {name}: the evaluation gives no such metric; it gives "
-                f"{', '.join(sorted(results))}."
-            )
-        value = float(results[key])
-        greater = self.args.greater_is_better if self.args.greater_is_better is not None else not key.endswith("loss")
-        if not math.isfinite(value) or (
-            p.best_metric is not None and not (value > p.best_metric if greater else value < p.best_metric)
-        ):
-            return
-        p.best_metric, p.best_step = value, self.global_step
-        best = os.path.join(self.args.output_dir, "best")
-        if self.accelerator.is_main_process:
-            os.makedirs(best, exist_ok=True)
-        self.save_model(os.path.join(best, "model.safetensors"))
-        if self.accelerator.is_main_process:
-            with open(os.path.join(best, "best.json.tmp"), "w") as f:
-                json.dump({"step": self.global_step, "metric": key, "value": value}, f)
-            os.replace(os.path.join(best, "best.json.tmp"), os.path.join(best, "best.json"))
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state(self) -> dict:
