@@ -671,61 +671,22 @@ class Trainer:
         raise faults.Preempted(path, self.global_step)
 
     def _resume(self, path: str):
-        saved = ckpt.read_state(path)
-        position = self._resumed_position(saved, path)
-        state = ckpt.load_checkpoint(self.accelerator, path, self.model, self.optimizer, ema=self.ema)
-        if self.accelerator.is_main_process:
-            for stale in ckpt.remove_stale_tmp(self.args.output_dir):
-                self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
-            moved, aside = ckpt.set_aside_newer(self.args.output_dir, state["global_step"])
-            if moved:  # said even when quiet: checkpoints were moved
-                print(
-                    f"warning: moved {', '.join(os.path.basename(p) for p in moved)} to {aside}: newer than "
-                    f"step_{state['global_step']}, which this run resumes from, so `latest` would prefer them over "
-                    "this run's own checkpoints. Delete that folder if you do not need it.",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        """Continue the run from the verified checkpoint `path` (checkpoint.resume: the weights, optimizer and RNG
+        states, and this rank's position for any world size); the progress and, for a stream, its position."""
+        state, position = ckpt.resume(
+            self.accelerator, path, self.args, self.model, self.optimizer, ema=self.ema, streaming=self.streaming,
+            say=self.reporter.print,
+        )  # fmt: skip
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
         self.progress.batch_in_epoch = position
         if self.streaming:  # this rank's epoch, batch counter and stream position (they differ by rank)
             self._train_stream.load(path, self.progress)
-        moved = "" if saved["num_processes"] == self.accelerator.num_processes else (
-            f", written by {saved['num_processes']} processes: batch {saved['batch_in_epoch']} there"
+        moved = "" if state["num_processes"] == self.accelerator.num_processes else (
+            f", written by {state['num_processes']} processes: batch {state['batch_in_epoch']} there"
         )  # fmt: skip
         self.reporter.print(
             f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, batch {position}{moved})."
         )
-
-    def _resumed_position(self, saved: dict, path: str) -> int:
-        """This rank's micro-batch position in the epoch for a checkpoint written by any world size. The order of
-        an epoch's samples is a function of (seed, epoch) only, and each global micro-batch is the next
-        per_device x processes samples of it, so the samples already seen are batch_in_epoch x per_device x
-        processes: the same samples on any world size. Exact when the global batch is unchanged; the per-rank
-        random streams are not (a rank that did not exist restarts from the seed)."""
-        args, world = self.args, self.accelerator.num_processes
-        if self.streaming and saved["num_processes"] != world:
-            raise ckpt.CheckpointError(
-                f"Checkpoint {path} was written by {saved['num_processes']} processes reading their own parts of "
-                f"the stream; this run has {world}. A stream's position cannot move to another world size: resume "
-                f"on {saved['num_processes']} processes."
-            )
-        old_micro = saved["per_device_train_batch_size"] * saved["num_processes"]
-        old_global = old_micro * saved["gradient_accumulation_steps"]
-        new_micro = args.per_device_train_batch_size * world
-        new_global = new_micro * args.gradient_accumulation_steps
-        if old_global != new_global and not args.allow_global_batch_change:
-            raise ckpt.CheckpointError(
-                f"Checkpoint {path} was written with a global batch of {old_global} (per_device_train_batch_size="
-                f"{saved['per_device_train_batch_size']} x gradient_accumulation_steps="
-                f"{saved['gradient_accumulation_steps']} x {saved['num_processes']} processes); this run's is "
-                f"{new_global}. Keep the global batch (e.g. --per_device_train_batch_size "
-                f"{old_global // (args.gradient_accumulation_steps * world) or 1} on {world} processes), or pass "
-                "--allow_global_batch_change to continue with another (not exact: see docs/fault-tolerance.md)."
-            )
-        seen = saved["batch_in_epoch"] * old_micro  # samples of this epoch already trained on
-        window = new_micro * args.gradient_accumulation_steps
-        return seen // window * args.gradient_accumulation_steps  # whole updates; exact when the batch is kept
 
     def save_model(self, path: str | None = None) -> str:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
