@@ -22,14 +22,13 @@ import time
 from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
-from accelerate.utils import DistributedType, send_to_device, set_seed
+from accelerate.utils import DistributedType, set_seed
 from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import evaluation, faults, precision, sharding, streaming
+from . import evaluation, faults, loaders, precision, sharding
 from .accel import build_accelerator
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
@@ -46,10 +45,6 @@ class NonFiniteLossError(UserError):
     pass
 
 
-class ShortEpochError(UserError):
-    pass
-
-
 @dataclass
 class Progress:
     """Where the run is; saved in every checkpoint (trainer_state.json)."""
@@ -60,38 +55,6 @@ class Progress:
     skipped_steps: int = 0  # fp16 overflow skips + non-finite skips
     best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
     best_step: int | None = None
-
-
-def accumulation_windows(epoch_batches, batches_per_epoch: int, accumulation: int, epoch: int = 0, start: int = 0):
-    """Yield (epoch, next_batch, window) forever: lists of `accumulation` micro-batches, aligned to the start of
-    every epoch (its last window may be shorter), beginning at batch `start` of `epoch` (a resumed run).
-    `epoch_batches(epoch, skip)` iterates one epoch from batch `skip`. `next_batch` is the position after the
-    window; it equals `batches_per_epoch` at an epoch's last window. The number of updates was computed from
-    `batches_per_epoch`, so an epoch that yields fewer batches is an error, not a silent re-run of the epoch."""
-    while True:
-        window, position = [], start
-        for batch in epoch_batches(epoch, start):
-            window.append(batch)
-            position += 1
-            if len(window) == accumulation or position == batches_per_epoch:
-                yield epoch, position, window
-                window = []
-            if position == batches_per_epoch:
-                break
-        else:
-            raise ShortEpochError(
-                f"The train loader yielded {position} batches in epoch {epoch} but its len() is {batches_per_epoch}: "
-                "the number of updates and the schedule are computed from len(). Make __len__ match what __iter__ "
-                "yields (after set_epoch)."
-            )
-        epoch, start = epoch + 1, 0
-
-
-def take(dataset, n: int | None):
-    """The first n samples (--max_train_samples / --max_eval_samples), for every kind of dataset."""
-    if n is None or n >= len(dataset):
-        return dataset
-    return dataset.select(range(n)) if hasattr(dataset, "select") else Subset(dataset, range(n))
 
 
 def default_optimizer(model, args: TrainingArguments):
@@ -159,7 +122,9 @@ class Trainer:
         # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
         set_seed(args.seed)
         model = self._build_model()
-        self.train_loader, self.eval_loader = self._build_loaders(self.recipe.build_data(self.ctx))
+        self.train_loader, self.eval_loader, self._train_stream = loaders.build_loaders(
+            self.recipe.build_data(self.ctx), args, acc, self.recipe.name
+        )
         # A stream (streaming.py) has no length: the run length is --max_steps, an epoch ends when the stream does.
         self.streaming = self._train_stream is not None
         self.micro_batches_per_epoch = None if self.streaming else len(self.train_loader)
@@ -297,82 +262,6 @@ class Trainer:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return model
 
-    def _build_loaders(self, data: dict):
-        """build_data's {"train", "eval"?, "collate"?, "loader"?} -> (train loader, eval loader or None).
-        Datasets are cut to --max_train_samples/--max_eval_samples here, for every recipe; then either the recipe's
-        `loader(dataset, batch_size=, train=, drop_last=)` batches them (a batch loader, or None for ours) or
-        a DataLoader that Accelerate shards over the processes."""
-        if not isinstance(data, dict) or "train" not in data:
-            raise TypeError(f"Recipe {self.recipe.name}: build_data must return a dict with a 'train' entry.")
-        unknown = set(data) - {"train", "eval", "collate", "loader"}
-        if unknown:
-            raise TypeError(f"Recipe {self.recipe.name}: build_data returned unknown keys {sorted(unknown)}.")
-        args, make = self.args, data.get("loader")
-        self._train_stream = None
-
-        def loader(dataset, train: bool):
-            if dataset is None:
-                return None
-            if streaming.is_iterable_dataset(dataset):
-                return self._stream_loader(dataset, train, data)
-            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-                raise TypeError(
-                    f"Recipe {self.recipe.name}: build_data's {'train' if train else 'eval'} entry is a "
-                    f"{type(dataset).__name__}, not a map-style dataset (__getitem__, __len__). Return the dataset, "
-                    "and a 'loader' factory if the recipe batches it itself (docs/architecture.md)."
-                )
-            dataset = take(dataset, args.max_train_samples if train else args.max_eval_samples)
-            batch_size = args.per_device_train_batch_size if train else args.per_device_eval_batch_size
-            drop_last = args.dataloader_drop_last if train else False
-            batches = make(dataset, batch_size=batch_size, train=train, drop_last=drop_last) if make else None
-            if batches is not None:
-                for attr in ("__iter__", "__len__", "set_epoch"):
-                    if not hasattr(batches, attr):
-                        raise TypeError(f"Recipe {self.recipe.name}: its loader lacks {attr} (docs/architecture.md).")
-                return batches
-            return self.accelerator.prepare(
-                DataLoader(
-                    dataset,
-                    shuffle=train,
-                    collate_fn=data.get("collate"),
-                    num_workers=args.dataloader_num_workers,
-                    batch_size=batch_size,
-                    drop_last=drop_last,
-                    pin_memory=torch.cuda.is_available(),
-                    # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a
-                    # resumed run would see other random numbers than the uninterrupted one.
-                    generator=torch.Generator().manual_seed(args.seed),
-                )
-            )
-
-        return loader(data["train"], True), loader(data.get("eval"), False)
-
-    def _stream_loader(self, dataset, train: bool, data: dict):
-        """This rank's StatefulDataLoader over an iterable train dataset (streaming.py: why not Accelerate's)."""
-        args = self.args
-        if not train:
-            raise UserError(
-                f"Recipe {self.recipe.name}: its eval data is an iterable dataset; evaluation counts every sample "
-                "once on any world size and needs a map-style one (e.g. load the validation split without streaming)."
-            )
-        if args.max_steps <= 0:
-            raise UserError(
-                "The training data is a stream (an iterable dataset) of unknown length: pass --max_steps N "
-                "(the number of optimizer updates) instead of --num_train_epochs."
-            )
-        if args.max_train_samples is not None:
-            dataset = dataset.take(args.max_train_samples)
-        loader = streaming.stream_loader(
-            dataset,
-            batch_size=args.per_device_train_batch_size,
-            collate=data.get("collate"),
-            num_workers=args.dataloader_num_workers,
-            drop_last=args.dataloader_drop_last,
-            seed=args.seed,
-        )
-        self._train_stream = streaming.Stream(loader, self.accelerator.process_index)
-        return loader
-
     def _flat_config(self) -> dict:
         cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool))}
         if is_dataclass(self.recipe_args):
@@ -473,7 +362,7 @@ class Trainer:
                 yield window
                 asked = time.perf_counter()
             return
-        for epoch, position, window in accumulation_windows(
+        for epoch, position, window in loaders.accumulation_windows(
             self._epoch_batches, L, self.args.gradient_accumulation_steps, p.epoch, p.batch_in_epoch
         ):
             p.epoch, p.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
@@ -482,21 +371,7 @@ class Trainer:
             asked = time.perf_counter()
 
     def _epoch_batches(self, epoch: int, skip: int):
-        loader = self.train_loader
-        if self.streaming:  # fetch_batch(): the stream from its current position (which is the loader's)
-            streaming.set_epoch(loader, epoch)
-            return (send_to_device(b, self.accelerator.device) for b in loader)
-        loader.set_epoch(epoch)  # the order is a function of (seed, epoch) only
-        if skip == 0:
-            return iter(loader)
-        if isinstance(loader, DataLoader):  # DataLoaderShard is one
-            return iter(self.accelerator.skip_first_batches(loader, skip))
-        if hasattr(loader, "skip_first_batches"):
-            return iter(loader.skip_first_batches(skip))
-        it = iter(loader)
-        for _ in range(skip):
-            next(it)
-        return it
+        return loaders.epoch_batches(self.train_loader, epoch, skip, self.accelerator, stream=self.streaming)
 
     def update(self, window: list, schedule: bool = True):
         """One optimizer update over a window of micro-batches (this rank's share of the global batch; update.py).
