@@ -84,39 +84,18 @@ class Trainer:
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
         self.recipe: Recipe = load_recipe(recipe)
-        # resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe Args) is resolved
-        # like the same flags on the command line.
-        resolved = (
-            args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
-        )
-        # A copy: the caller's arguments are not changed (the output folder default, the scaled learning rate), so
-        # they can build another Trainer.
-        args = dataclasses.replace(resolved.targs)
-        self.args, self.recipe_args, self.given = args, resolved.rargs, resolved.given
-        if args.output_dir is None:
-            args.output_dir = os.path.join("output", self.recipe.name)
-
+        self.args, self.recipe_args, self.given = self._own_arguments(args, recipe_args)
+        args = self.args
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
         # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
-        self.base_learning_rate = args.learning_rate
-        args.learning_rate = args.scaled_learning_rate(acc.num_processes)
-        resume_path = self._check_output_dir()  # on every rank, before any rank writes
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            os.makedirs(args.output_dir, exist_ok=True)
+        self.base_learning_rate, args.learning_rate = args.learning_rate, args.scaled_learning_rate(acc.num_processes)
+        resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         self.events = Events()
         for event, handler in self.recipe.events.items():
             self.events.on(event, handler)
-        self.ctx = RecipeContext(
-            args=self.recipe_args,
-            targs=args,
-            world_size=acc.num_processes,
-            process_index=acc.process_index,
-            accelerator=acc,
-            given=self.given,
-        )
+        self.ctx = self._context()
 
         # Model and data: the recipe's. Loaders first: the number of batches per epoch on this rank (after
         # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
@@ -125,50 +104,19 @@ class Trainer:
         self.train_loader, self.eval_loader, self._train_stream = loaders.build_loaders(
             self.recipe.build_data(self.ctx), args, acc, self.recipe.name
         )
-        # A stream (streaming.py) has no length: the run length is --max_steps, an epoch ends when the stream does.
-        self.streaming = self._train_stream is not None
-        self.micro_batches_per_epoch = None if self.streaming else len(self.train_loader)
-        if self.micro_batches_per_epoch == 0:
-            raise UserError(
-                "The training data gives no batch on this process: fewer samples than "
-                "per_device_train_batch_size x processes? Lower the batch size or add data."
-            )
-        self.updates_per_epoch = (
-            None if self.streaming else math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
-        )
-        self.total_steps = (
-            args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.updates_per_epoch)
-        )
+        self.streaming = self._train_stream is not None  # a stream (streaming.py) has no length
+        self.micro_batches_per_epoch, self.updates_per_epoch, self.total_steps = self._run_length()
         self.ctx = self.ctx.replace(num_training_steps=self.total_steps)
 
-        # Optimisation: the recipe's, or our defaults.
-        r = self.recipe
-        optimizer = r.build_optimizer(model, self.ctx) if r.build_optimizer else default_optimizer(model, args)
-        scheduler = (
-            r.build_scheduler(optimizer, self.ctx)
-            if r.build_scheduler
-            else default_scheduler(optimizer, self.total_steps, args)
-        )
-        # Under FSDP (sharding.py): the wrap policy for this model first, then the check that it really is sharded.
-        (self.model, self.optimizer, self.scheduler), self.sharding_info = sharding.prepare_sharded(
-            acc, model, optimizer, scheduler, wrap=r.fsdp_wrap
-        )
+        # Optimisation: the recipe's optimizer and scheduler, or our defaults; prepared (under FSDP: sharded).
+        (self.model, self.optimizer, self.scheduler), self.sharding_info = self._prepare(model)
         self.sharded = acc.distributed_type == DistributedType.FSDP
-        # fp8 converts only some layers: counted, written to run_config.json, and refused when there are none.
-        self.fp8_layers = None
-        if acc.mixed_precision == "fp8":
-            self.fp8_layers = precision.check_fp8_layers(self.model, str(acc.fp8_backend.value))
-            c = self.fp8_layers
-            self.reporter.print(f"fp8: {c['converted']} of {c['linear']} Linear layers converted ({c['backend']}).")
-        # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
-        self.ema = (
-            AveragedModel(self.unwrapped_model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True)
-            if args.ema_decay > 0
-            else None
-        )
+        self.fp8_layers = self._check_fp8()  # {"converted", "linear", "backend"} under fp8, else None
+        self.ema = self._build_ema()  # None without --ema_decay
 
+        # The run's state, and the components that own theirs.
         self.progress = Progress()
-        self._log_window: list = []  # (loss tensor, step) per update since the last log
+        self._log_window: list = []  # (loss tensor, grad norm, step) per update since the last log
         self._train_iter = None  # fetch_batch()'s position
         self._saved_step = None
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
@@ -177,14 +125,11 @@ class Trainer:
         self._writer = self._async_writer() if args.save_async else None
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
-            acc, self.model, self.optimizer, self.scheduler, r.loss, args, ema=self.ema, meter=self.meter,
+            acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
             preemption=self.preemption,
         )  # fmt: skip
         if args.profile_steps:
-            from .profiling import UpdateProfiler
-
-            self.profiler = UpdateProfiler(self)
-            self.profiler.attach(self.events)
+            self._attach_profiler()
 
         self._write_run_config()
         if args.trackers:
@@ -219,6 +164,38 @@ class Trainer:
         from .world import check_world
 
         check_world(self.accelerator)
+
+    def _own_arguments(self, args, recipe_args):
+        """(training arguments, recipe arguments, the fields the user set), the training arguments a copy of the
+        caller's: they are not changed (the output folder default, the scaled learning rate), so they can build
+        another Trainer. resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe
+        Args) is resolved like the same flags on the command line."""
+        resolved = (
+            args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
+        )
+        targs = dataclasses.replace(resolved.targs)
+        if targs.output_dir is None:
+            targs.output_dir = os.path.join("output", self.recipe.name)
+        return targs, resolved.rargs, resolved.given
+
+    def _prepare_output_dir(self) -> str | None:
+        """The checkpoint to resume from (None: a new run), once every rank has checked output_dir; then it exists."""
+        resume_path = self._check_output_dir()
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+        return resume_path
+
+    def _context(self) -> RecipeContext:
+        acc = self.accelerator
+        return RecipeContext(
+            args=self.recipe_args,
+            targs=self.args,
+            world_size=acc.num_processes,
+            process_index=acc.process_index,
+            accelerator=acc,
+            given=self.given,
+        )
 
     def _check_output_dir(self) -> str | None:
         """The verified checkpoint to resume from (None: a new run), and a clean output_dir for a new run.
@@ -261,6 +238,56 @@ class Trainer:
         if self.args.sync_batchnorm and self.accelerator.num_processes > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return model
+
+    def _run_length(self) -> tuple[int | None, int | None, int]:
+        """(micro-batches per epoch on this rank, updates per epoch, total updates). A stream's length is unknown
+        (None): the run length is --max_steps, an epoch ends when the stream does."""
+        args = self.args
+        if self.streaming:
+            return None, None, args.max_steps
+        micro_batches = len(self.train_loader)
+        if micro_batches == 0:
+            raise UserError(
+                "The training data gives no batch on this process: fewer samples than "
+                "per_device_train_batch_size x processes? Lower the batch size or add data."
+            )
+        updates = math.ceil(micro_batches / args.gradient_accumulation_steps)
+        total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates)
+        return micro_batches, updates, total
+
+    def _prepare(self, model):
+        """((model, optimizer, scheduler) prepared by Accelerate, what sharding learned). Under FSDP
+        (sharding.py): the wrap policy for this model first, then the check that it really is sharded."""
+        r, args = self.recipe, self.args
+        optimizer = r.build_optimizer(model, self.ctx) if r.build_optimizer else default_optimizer(model, args)
+        scheduler = (
+            r.build_scheduler(optimizer, self.ctx)
+            if r.build_scheduler
+            else default_scheduler(optimizer, self.total_steps, args)
+        )
+        return sharding.prepare_sharded(self.accelerator, model, optimizer, scheduler, wrap=r.fsdp_wrap)
+
+    def _check_fp8(self) -> dict | None:
+        # fp8 converts only some layers: counted, written to run_config.json, and refused when there are none.
+        acc = self.accelerator
+        if acc.mixed_precision != "fp8":
+            return None
+        c = precision.check_fp8_layers(self.model, str(acc.fp8_backend.value))
+        self.reporter.print(f"fp8: {c['converted']} of {c['linear']} Linear layers converted ({c['backend']}).")
+        return c
+
+    def _build_ema(self) -> AveragedModel | None:
+        # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
+        if self.args.ema_decay <= 0:
+            return None
+        multi_avg_fn = get_ema_multi_avg_fn(self.args.ema_decay)
+        return AveragedModel(self.unwrapped_model, multi_avg_fn=multi_avg_fn, use_buffers=True)
+
+    def _attach_profiler(self):
+        from .profiling import UpdateProfiler
+
+        self.profiler = UpdateProfiler(self)
+        self.profiler.attach(self.events)
 
     def _flat_config(self) -> dict:
         cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool))}
