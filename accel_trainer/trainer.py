@@ -1,9 +1,11 @@
 """The Trainer: one object over `accelerate.Accelerator` that owns the loop. Read it top to bottom:
 
-    __init__   resolve the arguments, build the Accelerator, the recipe's model/data/optimizer/scheduler, prepare
+    __init__   resolve the arguments, build the Accelerator, the recipe's model, loaders (loaders.py), optimizer and
+               scheduler, prepare; resume (checkpoint.resume) when a checkpoint is named
     fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
     update     one optimizer update (update.py: item-weighted accumulation, clip, step, schedule, EMA); the step count
-    evaluate   every eval sample once on any world size, `evaluate` metrics, the evaluate_end event
+    evaluate   evaluation.py: every eval sample once on any world size, the metrics, the best model kept; the
+               evaluate_end event
 
 Sharded training (FSDP2, docs/sharding.md) is the same loop: accel.py makes Accelerate shard (on CPU too),
 prepare goes through sharding.prepare_sharded, checkpoints are DCP shards and save_model gathers the full model.
