@@ -80,17 +80,8 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
             "config (`accel-trainer config --fsdp`), or drop the flag."
         )
     sharding.refuse_ema(args.ema_decay, sharded=plugin is not None)
+    handlers = _kwargs_handlers(args)
 
-    ddp = DistributedDataParallelKwargs(
-        find_unused_parameters=args.ddp_find_unused_parameters, comm_hook=_COMM_HOOKS[args.ddp_comm_hook]
-    )
-    if "power_sgd" in args.ddp_comm_hook:
-        ddp.comm_state_option = {"matrix_approximation_rank": args.powersgd_rank}
-    handlers = [
-        ddp,
-        process_group_kwargs(args.ddp_timeout),  # process-group set-up and every collective
-        GradScalerKwargs(),  # dynamic loss scaling with torch's defaults; only used under fp16
-    ]
     # Accelerate keeps its state in process-wide singletons: a second Trainer in the same notebook or test
     # process would silently inherit the first one's precision and compile settings. Start each from clean
     # (the process group, in PartialState, stays).
@@ -114,7 +105,25 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         fsdp_plugin=plugin,
     )
     sharding.activate_fsdp(accelerator, plugin)  # on CPU, Accelerate would run DDP instead: see sharding.py
-    # Settings Accelerate or torch would accept and then ignore or crash on, named here instead.
+    _refuse_ignored_settings(accelerator, args)
+    return accelerator
+
+
+def _kwargs_handlers(args: TrainingArguments) -> list:
+    ddp = DistributedDataParallelKwargs(
+        find_unused_parameters=args.ddp_find_unused_parameters, comm_hook=_COMM_HOOKS[args.ddp_comm_hook]
+    )
+    if "power_sgd" in args.ddp_comm_hook:
+        ddp.comm_state_option = {"matrix_approximation_rank": args.powersgd_rank}
+    return [
+        ddp,
+        process_group_kwargs(args.ddp_timeout),  # process-group set-up and every collective
+        GradScalerKwargs(),  # dynamic loss scaling with torch's defaults; only used under fp16
+    ]
+
+
+def _refuse_ignored_settings(accelerator: Accelerator, args: TrainingArguments):
+    """Settings Accelerate or torch would accept and then ignore or crash on, named here instead."""
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError(
             "fp16 mixed precision on a CPU: Accelerate applies no fp16 autocast or loss scaling there, so the run "
@@ -138,4 +147,3 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
             f"--ddp_comm_hook bf16 needs NCCL (CUDA GPUs); this run's backend is {accelerator.state.backend}. "
             "Use --ddp_comm_hook fp16 or none."
         )
-    return accelerator

@@ -480,6 +480,57 @@ def remove_stale_tmp(output_dir: str) -> list[str]:
     return stale
 
 
+# ------------------------------------------------------------------------------------------------------- resuming
+def resume(accelerator, path: str, args, model, optimizer, *, ema=None, streaming=False, say=_say) -> tuple[dict, int]:
+    """Load the verified checkpoint `path` into the run, on every rank; returns (its trainer state, this rank's
+    micro-batch position in the epoch: resumed_position). The main process then tidies output_dir for the run
+    that continues: interrupted writes removed, newer checkpoints set aside (`say` prints the first)."""
+    saved = read_state(path)
+    position = resumed_position(saved, path, args, accelerator.num_processes, streaming)
+    state = load_checkpoint(accelerator, path, model, optimizer, ema=ema)
+    if accelerator.is_main_process:
+        for stale in remove_stale_tmp(args.output_dir):
+            say(f"Removed {stale}: a checkpoint whose writing was interrupted.")
+        moved, aside = set_aside_newer(args.output_dir, state["global_step"])
+        if moved:  # said even when quiet: checkpoints were moved
+            _say(
+                f"warning: moved {', '.join(os.path.basename(p) for p in moved)} to {aside}: newer than "
+                f"step_{state['global_step']}, which this run resumes from, so `latest` would prefer them over "
+                "this run's own checkpoints. Delete that folder if you do not need it."
+            )
+    return state, position
+
+
+def resumed_position(saved: dict, path: str, args, world: int, streaming: bool = False) -> int:
+    """This rank's micro-batch position in the epoch for a checkpoint written by any world size. The order of
+    an epoch's samples is a function of (seed, epoch) only, and each global micro-batch is the next
+    per_device x processes samples of it, so the samples already seen are batch_in_epoch x per_device x
+    processes: the same samples on any world size. Exact when the global batch is unchanged; the per-rank
+    random streams are not (a rank that did not exist restarts from the seed)."""
+    if streaming and saved["num_processes"] != world:
+        raise CheckpointError(
+            f"Checkpoint {path} was written by {saved['num_processes']} processes reading their own parts of "
+            f"the stream; this run has {world}. A stream's position cannot move to another world size: resume "
+            f"on {saved['num_processes']} processes."
+        )
+    old_micro = saved["per_device_train_batch_size"] * saved["num_processes"]
+    old_global = old_micro * saved["gradient_accumulation_steps"]
+    new_micro = args.per_device_train_batch_size * world
+    new_global = new_micro * args.gradient_accumulation_steps
+    if old_global != new_global and not args.allow_global_batch_change:
+        raise CheckpointError(
+            f"Checkpoint {path} was written with a global batch of {old_global} (per_device_train_batch_size="
+            f"{saved['per_device_train_batch_size']} x gradient_accumulation_steps="
+            f"{saved['gradient_accumulation_steps']} x {saved['num_processes']} processes); this run's is "
+            f"{new_global}. Keep the global batch (e.g. --per_device_train_batch_size "
+            f"{old_global // (args.gradient_accumulation_steps * world) or 1} on {world} processes), or pass "
+            "--allow_global_batch_change to continue with another (not exact: see docs/fault-tolerance.md)."
+        )
+    seen = saved["batch_in_epoch"] * old_micro  # samples of this epoch already trained on
+    window = new_micro * args.gradient_accumulation_steps
+    return seen // window * args.gradient_accumulation_steps  # whole updates; exact when the batch is kept
+
+
 # -------------------------------------------------------------------------------------------------------- loading
 def load_checkpoint(accelerator, path: str, model, optimizer=None, ema=None) -> dict:
     """Restore everything save_checkpoint wrote (the folder was verified by resolve_*); returns the trainer state.

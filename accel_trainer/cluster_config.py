@@ -45,6 +45,8 @@ def validate_config(config, gpus_detected: int | None = None) -> list[str]:
     """Problems (each naming the fix) with an accelerate ClusterConfig; empty when it is good.
 
     `gpus_detected`: GPUs on the machine that will run it, or None when unknown (config written elsewhere).
+    A flat list of independent checks in the order of the config's fields, each a few lines read on its own: over
+    60 lines, but split it would only scatter them.
     """
     p = []
     dtype = _dtype(config.distributed_type)

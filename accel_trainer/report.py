@@ -203,32 +203,12 @@ def plot_runs(
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         drawn = {}
         for n, (title, keys, view) in enumerate(cells):
-            ax = axes[n]
-            for i, (label, rows) in enumerate(runs):
-                for key in keys:
-                    xs, ys = series(rows, key, view)
-                    if not xs:
-                        continue
-                    is_eval = key.startswith("eval_")
-                    (line,) = ax.plot(
-                        xs,
-                        ys,
-                        color=colors[i % len(colors)],
-                        linestyle="--" if is_eval and len(keys) > 1 else "-",
-                        marker="o" if is_eval or len(xs) == 1 else None,
-                        markersize=3,
-                        # earlier runs drawn wider: runs that agree (1 vs 2 processes) stay visible
-                        linewidth=1.2 + (len(runs) - 1 - i) / max(1, len(runs) - 1),
-                    )
-                    drawn[(title, key, view, label)] = (list(line.get_xdata()), list(line.get_ydata()))
-            ax.set_title(title if len(keys) == 1 else " / ".join(keys), fontsize=9, loc="left")
-            ax.tick_params(labelsize=8)
-            ax.grid(alpha=0.3)
+            drawn.update(_draw_cell(axes[n], title, keys, view, runs, colors))
             if n + cols >= len(cells):  # nothing below this cell: label its x axis
-                ax.set_xlabel(X_VIEWS[view][1], fontsize=8)
+                axes[n].set_xlabel(X_VIEWS[view][1], fontsize=8)
             if len(keys) > 1 and n == 0:  # say which line style is which key
                 styles = [Line2D([], [], color="gray", linestyle="--" if k.startswith("eval_") else "-") for k in keys]
-                ax.legend(styles, keys, fontsize=7, loc="upper right")
+                axes[n].legend(styles, keys, fontsize=7, loc="upper right")
         for ax in axes[len(cells) :]:
             ax.set_visible(False)
         handles = [Line2D([], [], color=colors[i % len(colors)], linewidth=2) for i in range(len(runs))]
@@ -241,6 +221,32 @@ def plot_runs(
         return drawn
     finally:
         plt.close(fig)
+
+
+def _draw_cell(ax, title: str, keys: list[str], view: str, runs, colors) -> dict:
+    """One panel's `keys` in one x view, a line per run and key; returns what was drawn (as plot_runs)."""
+    drawn = {}
+    for i, (label, rows) in enumerate(runs):
+        for key in keys:
+            xs, ys = series(rows, key, view)
+            if not xs:
+                continue
+            is_eval = key.startswith("eval_")
+            (line,) = ax.plot(
+                xs,
+                ys,
+                color=colors[i % len(colors)],
+                linestyle="--" if is_eval and len(keys) > 1 else "-",
+                marker="o" if is_eval or len(xs) == 1 else None,
+                markersize=3,
+                # earlier runs drawn wider: runs that agree (1 vs 2 processes) stay visible
+                linewidth=1.2 + (len(runs) - 1 - i) / max(1, len(runs) - 1),
+            )
+            drawn[(title, key, view, label)] = (list(line.get_xdata()), list(line.get_ydata()))
+    ax.set_title(title if len(keys) == 1 else " / ".join(keys), fontsize=9, loc="left")
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    return drawn
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

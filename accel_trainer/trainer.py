@@ -1,18 +1,11 @@
 """The Trainer: one object over `accelerate.Accelerator` that owns the loop. Read it top to bottom:
 
-    __init__   resolve the arguments, build the Accelerator, the recipe's model/data/optimizer/scheduler, prepare
+    __init__   resolve the arguments, build the Accelerator, the recipe's model, loaders (loaders.py), optimizer and
+               scheduler, prepare; resume (checkpoint.resume) when a checkpoint is named
     fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
-    update     forward/backward each micro-batch, normalise by items, clip, step, schedule, EMA
-    evaluate   every eval sample once on any world size, `evaluate` metrics, the evaluate_end event
-
-Gradient accumulation is ours, not `accelerator.accumulate`: one update's gradient must be the mean over every
-item (sample or token) of the global batch, weighted by item count, on any world size. Each micro-batch's
-backward uses its summed loss (mean x n_items); before the window's last backward (the one DDP communicates) the
-item count N of the whole global batch is all-reduced once, the gradients so far are scaled by world_size / N and
-the last backward uses mean x n_items x world_size / N (DDP then averages over ranks): what is communicated is of
-mean size, which a compressing comm hook (fp16) needs. Under FSDP the same scaling comes after the last backward.
-With one process and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a
-plain loop).
+    update     one optimizer update (update.py: item-weighted accumulation, clip, step, schedule, EMA); the step count
+    evaluate   evaluation.py: every eval sample once on any world size, the metrics, the best model kept; the
+               evaluate_end event
 
 Sharded training (FSDP2, docs/sharding.md) is the same loop: accel.py makes Accelerate shard (on CPU too),
 prepare goes through sharding.prepare_sharded, checkpoints are DCP shards and save_model gathers the full model.
@@ -23,25 +16,21 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
-from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import DistributedType, find_batch_size, send_to_device, set_seed
+from accelerate.utils import DistributedType, set_seed
 from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import faults, precision, sharding, streaming
+from . import evaluation, faults, loaders, precision, sharding
 from .accel import build_accelerator
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
@@ -49,18 +38,12 @@ from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
 from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops
+from .update import Updater, is_plain_torch
 
-# Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
-# Accelerate's per-step wrappers (which cost ~0.6 ms/step on a small model, mostly a package lookup).
-_PLAIN_TORCH_TYPES = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best")
 
 
 class NonFiniteLossError(UserError):
-    pass
-
-
-class ShortEpochError(UserError):
     pass
 
 
@@ -74,38 +57,6 @@ class Progress:
     skipped_steps: int = 0  # fp16 overflow skips + non-finite skips
     best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
     best_step: int | None = None
-
-
-def accumulation_windows(epoch_batches, batches_per_epoch: int, accumulation: int, epoch: int = 0, start: int = 0):
-    """Yield (epoch, next_batch, window) forever: lists of `accumulation` micro-batches, aligned to the start of
-    every epoch (its last window may be shorter), beginning at batch `start` of `epoch` (a resumed run).
-    `epoch_batches(epoch, skip)` iterates one epoch from batch `skip`. `next_batch` is the position after the
-    window; it equals `batches_per_epoch` at an epoch's last window. The number of updates was computed from
-    `batches_per_epoch`, so an epoch that yields fewer batches is an error, not a silent re-run of the epoch."""
-    while True:
-        window, position = [], start
-        for batch in epoch_batches(epoch, start):
-            window.append(batch)
-            position += 1
-            if len(window) == accumulation or position == batches_per_epoch:
-                yield epoch, position, window
-                window = []
-            if position == batches_per_epoch:
-                break
-        else:
-            raise ShortEpochError(
-                f"The train loader yielded {position} batches in epoch {epoch} but its len() is {batches_per_epoch}: "
-                "the number of updates and the schedule are computed from len(). Make __len__ match what __iter__ "
-                "yields (after set_epoch)."
-            )
-        epoch, start = epoch + 1, 0
-
-
-def take(dataset, n: int | None):
-    """The first n samples (--max_train_samples / --max_eval_samples), for every kind of dataset."""
-    if n is None or n >= len(dataset):
-        return dataset
-    return dataset.select(range(n)) if hasattr(dataset, "select") else Subset(dataset, range(n))
 
 
 def default_optimizer(model, args: TrainingArguments):
@@ -135,97 +86,39 @@ class Trainer:
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
         self.recipe: Recipe = load_recipe(recipe)
-        # resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe Args) is resolved
-        # like the same flags on the command line.
-        resolved = (
-            args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
-        )
-        # A copy: the caller's arguments are not changed (the output folder default, the scaled learning rate), so
-        # they can build another Trainer.
-        args = dataclasses.replace(resolved.targs)
-        self.args, self.recipe_args, self.given = args, resolved.rargs, resolved.given
-        if args.output_dir is None:
-            args.output_dir = os.path.join("output", self.recipe.name)
-
+        self.args, self.recipe_args, self.given = self._own_arguments(args, recipe_args)
+        args = self.args
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
         # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
-        self.base_learning_rate = args.learning_rate
-        args.learning_rate = args.scaled_learning_rate(acc.num_processes)
-        resume_path = self._check_output_dir()  # on every rank, before any rank writes
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            os.makedirs(args.output_dir, exist_ok=True)
+        self.base_learning_rate, args.learning_rate = args.learning_rate, args.scaled_learning_rate(acc.num_processes)
+        resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         self.events = Events()
         for event, handler in self.recipe.events.items():
             self.events.on(event, handler)
-        self.ctx = RecipeContext(
-            args=self.recipe_args,
-            targs=args,
-            world_size=acc.num_processes,
-            process_index=acc.process_index,
-            accelerator=acc,
-            given=self.given,
-        )
+        self.ctx = self._context()
 
         # Model and data: the recipe's. Loaders first: the number of batches per epoch on this rank (after
         # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
         set_seed(args.seed)
         model = self._build_model()
-        self.train_loader, self.eval_loader = self._build_loaders(self.recipe.build_data(self.ctx))
-        # A stream (streaming.py) has no length: the run length is --max_steps, an epoch ends when the stream does.
-        self.streaming = self._train_stream is not None
-        self.micro_batches_per_epoch = None if self.streaming else len(self.train_loader)
-        if self.micro_batches_per_epoch == 0:
-            raise UserError(
-                "The training data gives no batch on this process: fewer samples than "
-                "per_device_train_batch_size x processes? Lower the batch size or add data."
-            )
-        self.updates_per_epoch = (
-            None if self.streaming else math.ceil(self.micro_batches_per_epoch / args.gradient_accumulation_steps)
+        self.train_loader, self.eval_loader, self._train_stream = loaders.build_loaders(
+            self.recipe.build_data(self.ctx), args, acc, self.recipe.name
         )
-        self.total_steps = (
-            args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * self.updates_per_epoch)
-        )
+        self.streaming = self._train_stream is not None  # a stream (streaming.py) has no length
+        self.micro_batches_per_epoch, self.updates_per_epoch, self.total_steps = self._run_length()
         self.ctx = self.ctx.replace(num_training_steps=self.total_steps)
 
-        # Optimisation: the recipe's, or our defaults.
-        r = self.recipe
-        optimizer = r.build_optimizer(model, self.ctx) if r.build_optimizer else default_optimizer(model, args)
-        scheduler = (
-            r.build_scheduler(optimizer, self.ctx)
-            if r.build_scheduler
-            else default_scheduler(optimizer, self.total_steps, args)
-        )
-        # Under FSDP (sharding.py): the wrap policy for this model first, then the check that it really is sharded.
-        (self.model, self.optimizer, self.scheduler), self.sharding_info = sharding.prepare_sharded(
-            acc, model, optimizer, scheduler, wrap=r.fsdp_wrap
-        )
+        # Optimisation: the recipe's optimizer and scheduler, or our defaults; prepared (under FSDP: sharded).
+        (self.model, self.optimizer, self.scheduler), self.sharding_info = self._prepare(model)
         self.sharded = acc.distributed_type == DistributedType.FSDP
-        # fp8 converts only some layers: counted, written to run_config.json, and refused when there are none.
-        self.fp8_layers = None
-        if acc.mixed_precision == "fp8":
-            self.fp8_layers = precision.check_fp8_layers(self.model, str(acc.fp8_backend.value))
-            c = self.fp8_layers
-            self.reporter.print(f"fp8: {c['converted']} of {c['linear']} Linear layers converted ({c['backend']}).")
-        # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
-        self.ema = (
-            AveragedModel(self.unwrapped_model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True)
-            if args.ema_decay > 0
-            else None
-        )
+        self.fp8_layers = self._check_fp8()  # {"converted", "linear", "backend"} under fp8, else None
+        self.ema = self._build_ema()  # None without --ema_decay
 
-        # The fast path: call torch's optimizer, scaler and backward directly where Accelerate adds nothing (not
-        # FSDP: its gradient-sync switch and DTensor-aware clipping are Accelerate's).
-        self._plain_torch = acc.distributed_type in _PLAIN_TORCH_TYPES
-        self._inner_opt = self.optimizer.optimizer
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._weighted = acc.num_processes > 1 or args.gradient_accumulation_steps > 1
-
+        # The run's state, and the components that own theirs.
         self.progress = Progress()
-        self._log_window: list = []  # (loss tensor, step) per update since the last log
-        self._grad_norm = None  # of the last update (None: not clipped, or the update was skipped)
+        self._log_window: list = []  # (loss tensor, grad norm, step) per update since the last log
         self._train_iter = None  # fetch_batch()'s position
         self._saved_step = None
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
@@ -233,11 +126,12 @@ class Trainer:
         self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
         self._writer = self._async_writer() if args.save_async else None
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
+        self.updater = Updater(
+            acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
+            preemption=self.preemption,
+        )  # fmt: skip
         if args.profile_steps:
-            from .profiling import UpdateProfiler
-
-            self.profiler = UpdateProfiler(self)
-            self.profiler.attach(self.events)
+            self._attach_profiler()
 
         self._write_run_config()
         if args.trackers:
@@ -272,6 +166,38 @@ class Trainer:
         from .world import check_world
 
         check_world(self.accelerator)
+
+    def _own_arguments(self, args, recipe_args):
+        """(training arguments, recipe arguments, the fields the user set), the training arguments a copy of the
+        caller's: they are not changed (the output folder default, the scaled learning rate), so they can build
+        another Trainer. resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe
+        Args) is resolved like the same flags on the command line."""
+        resolved = (
+            args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
+        )
+        targs = dataclasses.replace(resolved.targs)
+        if targs.output_dir is None:
+            targs.output_dir = os.path.join("output", self.recipe.name)
+        return targs, resolved.rargs, resolved.given
+
+    def _prepare_output_dir(self) -> str | None:
+        """The checkpoint to resume from (None: a new run), once every rank has checked output_dir; then it exists."""
+        resume_path = self._check_output_dir()
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+        return resume_path
+
+    def _context(self) -> RecipeContext:
+        acc = self.accelerator
+        return RecipeContext(
+            args=self.recipe_args,
+            targs=self.args,
+            world_size=acc.num_processes,
+            process_index=acc.process_index,
+            accelerator=acc,
+            given=self.given,
+        )
 
     def _check_output_dir(self) -> str | None:
         """The verified checkpoint to resume from (None: a new run), and a clean output_dir for a new run.
@@ -315,81 +241,55 @@ class Trainer:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return model
 
-    def _build_loaders(self, data: dict):
-        """build_data's {"train", "eval"?, "collate"?, "loader"?} -> (train loader, eval loader or None).
-        Datasets are cut to --max_train_samples/--max_eval_samples here, for every recipe; then either the recipe's
-        `loader(dataset, batch_size=, train=, drop_last=)` batches them (a batch loader, or None for ours) or
-        a DataLoader that Accelerate shards over the processes."""
-        if not isinstance(data, dict) or "train" not in data:
-            raise TypeError(f"Recipe {self.recipe.name}: build_data must return a dict with a 'train' entry.")
-        unknown = set(data) - {"train", "eval", "collate", "loader"}
-        if unknown:
-            raise TypeError(f"Recipe {self.recipe.name}: build_data returned unknown keys {sorted(unknown)}.")
-        args, make = self.args, data.get("loader")
-        self._train_stream = None
-
-        def loader(dataset, train: bool):
-            if dataset is None:
-                return None
-            if streaming.is_iterable_dataset(dataset):
-                return self._stream_loader(dataset, train, data)
-            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-                raise TypeError(
-                    f"Recipe {self.recipe.name}: build_data's {'train' if train else 'eval'} entry is a "
-                    f"{type(dataset).__name__}, not a map-style dataset (__getitem__, __len__). Return the dataset, "
-                    "and a 'loader' factory if the recipe batches it itself (docs/architecture.md)."
-                )
-            dataset = take(dataset, args.max_train_samples if train else args.max_eval_samples)
-            batch_size = args.per_device_train_batch_size if train else args.per_device_eval_batch_size
-            drop_last = args.dataloader_drop_last if train else False
-            batches = make(dataset, batch_size=batch_size, train=train, drop_last=drop_last) if make else None
-            if batches is not None:
-                for attr in ("__iter__", "__len__", "set_epoch"):
-                    if not hasattr(batches, attr):
-                        raise TypeError(f"Recipe {self.recipe.name}: its loader lacks {attr} (docs/architecture.md).")
-                return batches
-            return self.accelerator.prepare(
-                DataLoader(
-                    dataset,
-                    shuffle=train,
-                    collate_fn=data.get("collate"),
-                    num_workers=args.dataloader_num_workers,
-                    batch_size=batch_size,
-                    drop_last=drop_last,
-                    pin_memory=torch.cuda.is_available(),
-                    # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a
-                    # resumed run would see other random numbers than the uninterrupted one.
-                    generator=torch.Generator().manual_seed(args.seed),
-                )
-            )
-
-        return loader(data["train"], True), loader(data.get("eval"), False)
-
-    def _stream_loader(self, dataset, train: bool, data: dict):
-        """This rank's StatefulDataLoader over an iterable train dataset (streaming.py: why not Accelerate's)."""
+    def _run_length(self) -> tuple[int | None, int | None, int]:
+        """(micro-batches per epoch on this rank, updates per epoch, total updates). A stream's length is unknown
+        (None): the run length is --max_steps, an epoch ends when the stream does."""
         args = self.args
-        if not train:
+        if self.streaming:
+            return None, None, args.max_steps
+        micro_batches = len(self.train_loader)
+        if micro_batches == 0:
             raise UserError(
-                f"Recipe {self.recipe.name}: its eval data is an iterable dataset; evaluation counts every sample "
-                "once on any world size and needs a map-style one (e.g. load the validation split without streaming)."
+                "The training data gives no batch on this process: fewer samples than "
+                "per_device_train_batch_size x processes? Lower the batch size or add data."
             )
-        if args.max_steps <= 0:
-            raise UserError(
-                "The training data is a stream (an iterable dataset) of unknown length: pass --max_steps N "
-                "(the number of optimizer updates) instead of --num_train_epochs."
-            )
-        if args.max_train_samples is not None:
-            dataset = dataset.take(args.max_train_samples)
-        loader = streaming.stream_loader(
-            dataset,
-            batch_size=args.per_device_train_batch_size,
-            collate=data.get("collate"),
-            num_workers=args.dataloader_num_workers,
-            drop_last=args.dataloader_drop_last,
-            seed=args.seed,
+        updates = math.ceil(micro_batches / args.gradient_accumulation_steps)
+        total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates)
+        return micro_batches, updates, total
+
+    def _prepare(self, model):
+        """((model, optimizer, scheduler) prepared by Accelerate, what sharding learned). Under FSDP
+        (sharding.py): the wrap policy for this model first, then the check that it really is sharded."""
+        r, args = self.recipe, self.args
+        optimizer = r.build_optimizer(model, self.ctx) if r.build_optimizer else default_optimizer(model, args)
+        scheduler = (
+            r.build_scheduler(optimizer, self.ctx)
+            if r.build_scheduler
+            else default_scheduler(optimizer, self.total_steps, args)
         )
-        self._train_stream = streaming.Stream(loader, self.accelerator.process_index)
-        return loader
+        return sharding.prepare_sharded(self.accelerator, model, optimizer, scheduler, wrap=r.fsdp_wrap)
+
+    def _check_fp8(self) -> dict | None:
+        # fp8 converts only some layers: counted, written to run_config.json, and refused when there are none.
+        acc = self.accelerator
+        if acc.mixed_precision != "fp8":
+            return None
+        c = precision.check_fp8_layers(self.model, str(acc.fp8_backend.value))
+        self.reporter.print(f"fp8: {c['converted']} of {c['linear']} Linear layers converted ({c['backend']}).")
+        return c
+
+    def _build_ema(self) -> AveragedModel | None:
+        # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
+        if self.args.ema_decay <= 0:
+            return None
+        multi_avg_fn = get_ema_multi_avg_fn(self.args.ema_decay)
+        return AveragedModel(self.unwrapped_model, multi_avg_fn=multi_avg_fn, use_buffers=True)
+
+    def _attach_profiler(self):
+        from .profiling import UpdateProfiler
+
+        self.profiler = UpdateProfiler(self)
+        self.profiler.attach(self.events)
 
     def _flat_config(self) -> dict:
         cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool))}
@@ -491,7 +391,7 @@ class Trainer:
                 yield window
                 asked = time.perf_counter()
             return
-        for epoch, position, window in accumulation_windows(
+        for epoch, position, window in loaders.accumulation_windows(
             self._epoch_batches, L, self.args.gradient_accumulation_steps, p.epoch, p.batch_in_epoch
         ):
             p.epoch, p.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
@@ -500,137 +400,18 @@ class Trainer:
             asked = time.perf_counter()
 
     def _epoch_batches(self, epoch: int, skip: int):
-        loader = self.train_loader
-        if self.streaming:  # fetch_batch(): the stream from its current position (which is the loader's)
-            streaming.set_epoch(loader, epoch)
-            return (send_to_device(b, self.accelerator.device) for b in loader)
-        loader.set_epoch(epoch)  # the order is a function of (seed, epoch) only
-        if skip == 0:
-            return iter(loader)
-        if isinstance(loader, DataLoader):  # DataLoaderShard is one
-            return iter(self.accelerator.skip_first_batches(loader, skip))
-        if hasattr(loader, "skip_first_batches"):
-            return iter(loader.skip_first_batches(skip))
-        it = iter(loader)
-        for _ in range(skip):
-            next(it)
-        return it
+        return loaders.epoch_batches(self.train_loader, epoch, skip, self.accelerator, stream=self.streaming)
 
     def update(self, window: list, schedule: bool = True):
-        """One optimizer update over a window of micro-batches (this rank's share of the global batch). Returns
-        the mean loss over every item of the global batch (a tensor; no host sync)."""
-        acc, args, p = self.accelerator, self.args, self.progress
-        loss_sum, n_sum = 0.0, 0
-        flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
-        with flops or nullcontext():
-            for i, batch in enumerate(window):
-                last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
-                with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
-                    loss, n = self.recipe.loss(self.model, batch)
-                    loss_sum = loss_sum + loss.detach() * n
-                    n_sum = n_sum + n
-                    if not self._weighted:
-                        self._backward(loss)
-                    elif last and not self.sharded:  # DDP: scaled to the mean before it is communicated
-                        loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
-                        self._backward(loss * n * self._to_mean(n_sum))
-                    else:
-                        self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
-        if self._weighted and self.sharded:
-            # FSDP2 accumulates a window's gradients inside its unsharded parameters, out of our reach until the
-            # last backward's reduce-scatter writes the sharded .grad: scaled after it (see _to_mean).
-            loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
-            self._to_mean(n_sum)
-        if flops is not None:
-            self.meter.counted(flops)
-        loss_mean = (loss_sum / n_sum).detach()
-        self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
-        self._grad_norm = None
-        if args.max_grad_norm > 0:
-            self._grad_norm = acc.clip_grad_norm_(self._params, args.max_grad_norm)
-        # A finite loss can still give non-finite gradients (and NaN weights after the step): the grad norm is
-        # checked with the loss, by the same --nan_policy. Not under fp16: an overflow is the scaler's to skip.
-        grad_norm = None
-        if acc.scaler is None:
-            grad_norm = self._grad_norm if self._grad_norm is not None else self._total_grad_norm()
-            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor; the global value, the same on every rank
-                grad_norm = grad_norm.full_tensor()
-        if args.nan_policy == "skip" and not (
-            torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
-        ):
-            stepped, self._grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
-        else:
-            stepped = self._optimizer_step()
-        if stepped:
-            if schedule:
-                self.scheduler.step()
-            if self.ema is not None:
-                self.ema.update_parameters(self.unwrapped_model)
-        else:
+        """One optimizer update over a window of micro-batches (this rank's share of the global batch; update.py).
+        Returns the mean loss over every item of the global batch (a tensor; no host sync)."""
+        p = self.progress
+        done = self.updater(window, schedule=schedule)
+        if not done.stepped:
             p.skipped_steps += 1
-        self._inner_opt.zero_grad(set_to_none=True)
         p.global_step += 1
-        self._log_window.append((loss_mean, grad_norm if stepped else None, p.global_step))
-        return loss_mean
-
-    def _total_grad_norm(self):
-        """The global gradient norm without clipping (a tensor, no host sync): torch's foreach kernels, one pass
-        over the gradients (under FSDP a DTensor of the shards' norms)."""
-        grads = [q.grad for q in self._params if q.grad is not None]
-        if not grads:
-            return None
-        return torch.nn.utils.get_total_norm(grads, foreach=True)
-
-    def _reduce_totals(self, loss_sum, n_sum):
-        """The window's loss sum and item count over every rank: the update's one all-reduce, before the last
-        backward (the preemption vote rides on it: no extra collective)."""
-        acc = self.accelerator
-        totals = torch.stack(
-            [
-                torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                self.preemption.vote(),
-            ]
-        )
-        if acc.num_processes > 1:
-            totals = acc.reduce(totals, reduction="sum")
-            self.preemption.record(totals[2])
-        return totals[0], totals[1]
-
-    def _to_mean(self, n_total):
-        """The factor that makes the window's summed-loss gradients the mean over all N items of the global batch,
-        once DDP (FSDP: on the DTensor shards) has averaged over ranks: world_size / N, applied to the gradients
-        there are (returned for the last micro-batch's loss). Without FSDP it is applied before the gradient is
-        communicated -- to the gradients accumulated so far, and to the last micro-batch's loss -- so that what a
-        compressing comm hook sees (fp16: cast before the division) is of mean size, not item-count times larger
-        (inf above fp16's 65504). clamp: a window with no items leaves the gradients at zero."""
-        scale = self.accelerator.num_processes / n_total.clamp(min=1)
-        grads = [q.grad for q in self._params if q.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
-        return scale
-
-    def _backward(self, loss):
-        if not self._plain_torch:
-            self.accelerator.backward(loss)
-        elif self.accelerator.scaler is not None:
-            self.accelerator.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-
-    def _optimizer_step(self) -> bool:
-        """Step the optimizer; False when fp16 loss scaling skipped the step (an overflow)."""
-        scaler = self.accelerator.scaler
-        if not self._plain_torch:
-            self.optimizer.step()
-            return not self.optimizer.step_was_skipped
-        if scaler is None:
-            self._inner_opt.step()
-            return True
-        scale = scaler.get_scale()
-        scaler.step(self._inner_opt)
-        scaler.update()
-        return scaler.get_scale() >= scale  # the scale only drops when an inf/nan gradient skipped the step
+        self._log_window.append((done.loss, done.grad_norm if done.stepped else None, p.global_step))
+        return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
         """One metrics.jsonl row for the updates since the last log (the only host sync of the loop)."""
@@ -644,8 +425,8 @@ class Trainer:
             "loss": losses[finite].mean().item() if finite.any() else float("nan"),
             "learning_rate": self.scheduler.get_last_lr()[0],
         }
-        if self._grad_norm is not None:
-            metrics["grad_norm"] = float(self._grad_norm)
+        if self.updater.grad_norm is not None:
+            metrics["grad_norm"] = float(self.updater.grad_norm)
         if self.accelerator.scaler is not None:
             metrics["loss_scale"] = self.accelerator.scaler.get_scale()
         if self.progress.skipped_steps or self.accelerator.scaler is not None or self.args.nan_policy == "skip":
@@ -684,35 +465,10 @@ class Trainer:
         return self.progress.epoch + self.progress.batch_in_epoch / self.micro_batches_per_epoch
 
     # ------------------------------------------------------------------------------------------------ evaluation
-    def _eval_outputs(self, model, batch) -> dict:
-        """Per-sample tensors for gather_for_metrics: `loss` (summed over the sample's items), `n_items`, and
-        `predictions`/`references` when the recipe gives them. A per-batch mean loss is spread evenly over the
-        batch's samples, which is exact when every sample has the same number of items."""
-        out = dict(self.recipe.eval_step(model, batch)) if self.recipe.eval_step else {}
-        if "loss" not in out:
-            out["loss"], out["n_items"] = self.recipe.loss(model, batch)
-        loss, n = out["loss"], torch.as_tensor(out["n_items"], device=self.accelerator.device)
-        if loss.ndim == 0:
-            B = len(out["references"]) if "references" in out else find_batch_size(batch)
-            out["loss"] = (loss.float() * n / B).expand(B)
-            out["n_items"] = (n.float() / B).expand(B)
-        return out
-
     def gather_eval(self, out: dict) -> dict:
         """Per-sample eval tensors of this rank's batch -> those of every rank, each sample of the split once.
-        Also for evaluate_end handlers (e.g. test-time augmentation) that loop over `trainer.eval_loader`."""
-        acc = self.accelerator
-        if isinstance(self.eval_loader, DataLoaderShard):
-            return acc.gather_for_metrics(out)  # drops the samples Accelerate repeated to even out the ranks
-        if acc.num_processes == 1:
-            return out
-        # A recipe's batch loader gives disjoint shards whose batch sizes may differ by rank: pad to a common
-        # size, gather, and keep the real rows (all ranks must yield the same number of batches).
-        # (int64, not bool: gloo cannot gather bool tensors.)
-        out = dict(out, _valid=torch.ones(len(next(iter(out.values()))), dtype=torch.int64, device=acc.device))
-        gathered = acc.gather(acc.pad_across_processes(out, dim=0))
-        valid = gathered.pop("_valid").bool()
-        return {k: v[valid] for k, v in gathered.items()}
+        For evaluate_end handlers (e.g. test-time augmentation) that loop over `trainer.eval_loader`."""
+        return evaluation.gather(self.accelerator, self.eval_loader, out)
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -721,65 +477,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, final: bool = False) -> dict:
-        """Loss and metrics over the whole eval split; every sample counted once on any world size."""
-        acc, model = self.accelerator, self.eval_model
-        metrics = self.recipe.build_metrics(self.ctx) if self.recipe.build_metrics else {}
+        """Loss and metrics over the whole eval split (evaluation.py), then the evaluate_end event's extras; logged,
+        and the best model kept with --metric_for_best_model."""
         results: dict = {}
         if self.eval_loader is not None:
-            was_training = model.training
-            model.eval()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
-            n_sum = torch.zeros((), dtype=torch.float64, device=acc.device)
-            n_samples = 0
-            if hasattr(self.eval_loader, "set_epoch"):
-                self.eval_loader.set_epoch(0)
-            for batch in self.eval_loader:
-                out = self.gather_eval(self._eval_outputs(model, batch))
-                loss_sum += out["loss"].double().sum()
-                n_sum += out["n_items"].double().sum()
-                n_samples += len(out["loss"])
-                if "predictions" in out:
-                    for m in metrics.values():
-                        m.add_batch(predictions=out["predictions"].cpu(), references=out["references"].cpu())
-            results["eval_loss"] = (loss_sum / n_sum.clamp(min=1)).item()
-            results["eval_samples"] = n_samples  # every sample of the split exactly once, on any world size
-            for m in metrics.values():
-                results.update({f"eval_{k}": v for k, v in (m.compute() or {}).items()})
-            model.train(was_training)
+            results = evaluation.evaluate(self.accelerator, self.recipe, self.ctx, self.eval_model, self.eval_loader)
         for extra in self.events.fire("evaluate_end", self, dict(results), final):
             results.update(extra or {})
         if results:
             self.reporter.log(results, self.global_step, self._epoch_float())
             if self.args.metric_for_best_model:
-                self._keep_if_best(results)
+                evaluation.keep_if_best(self.accelerator, self.args, self.progress, results, self.save_model)
         return results
-
-    def _keep_if_best(self, results: dict):
-        """output_dir/best/: model.safetensors (the evaluated weights) and best.json of the best evaluation so far,
-        kept apart from checkpoints (save_total_limit never deletes it). The best value is part of the checkpoint
-        state, so a resumed run keeps comparing against it."""
-        name, p = self.args.metric_for_best_model, self.progress
-        key = name if name in results else f"eval_{name}"
-        if key not in results:
-            raise UserError(
-                f"--metric_for_best_model {name}: the evaluation gives no such metric; it gives "
-                f"{', '.join(sorted(results))}."
-            )
-        value = float(results[key])
-        greater = self.args.greater_is_better if self.args.greater_is_better is not None else not key.endswith("loss")
-        if not math.isfinite(value) or (
-            p.best_metric is not None and not (value > p.best_metric if greater else value < p.best_metric)
-        ):
-            return
-        p.best_metric, p.best_step = value, self.global_step
-        best = os.path.join(self.args.output_dir, "best")
-        if self.accelerator.is_main_process:
-            os.makedirs(best, exist_ok=True)
-        self.save_model(os.path.join(best, "model.safetensors"))
-        if self.accelerator.is_main_process:
-            with open(os.path.join(best, "best.json.tmp"), "w") as f:
-                json.dump({"step": self.global_step, "metric": key, "value": value}, f)
-            os.replace(os.path.join(best, "best.json.tmp"), os.path.join(best, "best.json"))
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state(self) -> dict:
@@ -822,7 +531,7 @@ class Trainer:
     def _async_writer(self):
         from .async_save import AsyncWriter
 
-        if not (self._plain_torch or self.sharded):
+        if not (is_plain_torch(self.accelerator) or self.sharded):
             raise UserError(
                 f"--save_async supports one process, DDP and FSDP2, not {self.accelerator.distributed_type}; "
                 "drop --save_async."
@@ -866,61 +575,22 @@ class Trainer:
         raise faults.Preempted(path, self.global_step)
 
     def _resume(self, path: str):
-        saved = ckpt.read_state(path)
-        position = self._resumed_position(saved, path)
-        state = ckpt.load_checkpoint(self.accelerator, path, self.model, self.optimizer, ema=self.ema)
-        if self.accelerator.is_main_process:
-            for stale in ckpt.remove_stale_tmp(self.args.output_dir):
-                self.reporter.print(f"Removed {stale}: a checkpoint whose writing was interrupted.")
-            moved, aside = ckpt.set_aside_newer(self.args.output_dir, state["global_step"])
-            if moved:  # said even when quiet: checkpoints were moved
-                print(
-                    f"warning: moved {', '.join(os.path.basename(p) for p in moved)} to {aside}: newer than "
-                    f"step_{state['global_step']}, which this run resumes from, so `latest` would prefer them over "
-                    "this run's own checkpoints. Delete that folder if you do not need it.",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        """Continue the run from the verified checkpoint `path` (checkpoint.resume: the weights, optimizer and RNG
+        states, and this rank's position for any world size); the progress and, for a stream, its position."""
+        state, position = ckpt.resume(
+            self.accelerator, path, self.args, self.model, self.optimizer, ema=self.ema, streaming=self.streaming,
+            say=self.reporter.print,
+        )  # fmt: skip
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
         self.progress.batch_in_epoch = position
         if self.streaming:  # this rank's epoch, batch counter and stream position (they differ by rank)
             self._train_stream.load(path, self.progress)
-        moved = "" if saved["num_processes"] == self.accelerator.num_processes else (
-            f", written by {saved['num_processes']} processes: batch {saved['batch_in_epoch']} there"
+        moved = "" if state["num_processes"] == self.accelerator.num_processes else (
+            f", written by {state['num_processes']} processes: batch {state['batch_in_epoch']} there"
         )  # fmt: skip
         self.reporter.print(
             f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, batch {position}{moved})."
         )
-
-    def _resumed_position(self, saved: dict, path: str) -> int:
-        """This rank's micro-batch position in the epoch for a checkpoint written by any world size. The order of
-        an epoch's samples is a function of (seed, epoch) only, and each global micro-batch is the next
-        per_device x processes samples of it, so the samples already seen are batch_in_epoch x per_device x
-        processes: the same samples on any world size. Exact when the global batch is unchanged; the per-rank
-        random streams are not (a rank that did not exist restarts from the seed)."""
-        args, world = self.args, self.accelerator.num_processes
-        if self.streaming and saved["num_processes"] != world:
-            raise ckpt.CheckpointError(
-                f"Checkpoint {path} was written by {saved['num_processes']} processes reading their own parts of "
-                f"the stream; this run has {world}. A stream's position cannot move to another world size: resume "
-                f"on {saved['num_processes']} processes."
-            )
-        old_micro = saved["per_device_train_batch_size"] * saved["num_processes"]
-        old_global = old_micro * saved["gradient_accumulation_steps"]
-        new_micro = args.per_device_train_batch_size * world
-        new_global = new_micro * args.gradient_accumulation_steps
-        if old_global != new_global and not args.allow_global_batch_change:
-            raise ckpt.CheckpointError(
-                f"Checkpoint {path} was written with a global batch of {old_global} (per_device_train_batch_size="
-                f"{saved['per_device_train_batch_size']} x gradient_accumulation_steps="
-                f"{saved['gradient_accumulation_steps']} x {saved['num_processes']} processes); this run's is "
-                f"{new_global}. Keep the global batch (e.g. --per_device_train_batch_size "
-                f"{old_global // (args.gradient_accumulation_steps * world) or 1} on {world} processes), or pass "
-                "--allow_global_batch_change to continue with another (not exact: see docs/fault-tolerance.md)."
-            )
-        seen = saved["batch_in_epoch"] * old_micro  # samples of this epoch already trained on
-        window = new_micro * args.gradient_accumulation_steps
-        return seen // window * args.gradient_accumulation_steps  # whole updates; exact when the batch is kept
 
     def save_model(self, path: str | None = None) -> str:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""

@@ -112,7 +112,9 @@ def slurm_script(
     when asked (`scancel --batch --signal=USR1 <job>`); the shell passes it to srun, srun to the launchers, and
     the launchers to the workers (once each). The workers checkpoint and exit 75 (faults.EXIT_PREEMPTED), which
     `accel-trainer launch` returns; the script then requeues the job (`--requeue`, `scontrol requeue`) and the
-    next run continues from the newest checkpoint (`--resume_from_checkpoint auto`)."""
+    next run continues from the newest checkpoint (`--resume_from_checkpoint auto`).
+
+    Over 60 lines because most of it is the script itself: one template, so that it reads as the file it writes."""
     per = config.num_processes // config.num_machines
     # --exclusive: the whole node (all its CPUs) for its one task. Without it SLURM allocates one CPU per task, and
     # the node's workers and their data loader workers would share that one core. srun's step gets every CPU of
@@ -213,6 +215,30 @@ def interactive(a, hw):
     gpu_line = f"{hw['gpus']} x {hw['gpu_name']}" if hw["gpus"] else "no GPU"
     print(f"Detected here: {gpu_line}, bf16 {'yes' if hw['bf16'] else 'no'}, {hw['cpus']} CPU cores.")
     a.machines = ask("How many machines?", a.machines or 1, int, lambda v: v >= 1, "a whole number >= 1")
+    _ask_processes(a, hw)
+    if a.machines > 1:
+        _ask_rendezvous(a)
+    mp_default = a.mixed_precision or ("bf16" if hw["bf16"] and not a.cpu else "no")
+    a.mixed_precision = ask(
+        "Mixed precision (no/bf16/fp16)?", mp_default, str, lambda v: v in MIXED, "no, bf16 or fp16"
+    )
+    a.compile = ask("Use torch.compile? (yes/no)", "yes" if a.compile else "no", yes_no, why="yes or no")
+    # FSDP2 on GPUs and on CPU (gloo; accel_trainer/sharding.py). DeepSpeed is not offered: it is refused.
+    a.sharding = ask(
+        "Shard the model with FSDP (parameters, gradients and optimizer state split over the processes): none or fsdp?",
+        a.sharding,
+        str,
+        lambda v: v in ("none", "fsdp"),
+        "none or fsdp",
+    )
+    a.name = ask("Config name?", a.name or default_name(a), str, lambda v: v and "/" not in v, "a file name")
+    if a.machines > 1:
+        a.slurm = ask("Also write a SLURM batch script? (yes/no)", "yes" if a.slurm else "no", yes_no, why="yes or no")
+    return a
+
+
+def _ask_processes(a, hw):
+    """GPUs or CPU processes, and how many per machine, settled against the GPUs visible here."""
     a.cpu = not ask("Use GPUs? (yes/no)", "no" if a.cpu or not hw["gpus"] else "yes", yes_no, why="yes or no")
     if not a.cpu and not hw["gpus"] and not a.skip_device_check:
         # The common case (a login node writing the GPU machines' config): settle it now, not after every answer.
@@ -248,58 +274,44 @@ def interactive(a, hw):
                 lambda v: 1 <= v <= hw["gpus"],
                 f"a whole number 1..{hw['gpus']}",
             )
-    if a.machines > 1:
-        # Never loopback as the default here: the other machines cannot reach it (typed, it is accepted: several
-        # launches on this one machine).
-        a.main_ip = ask(
-            "Address of machine 0, as every machine reaches it?",
-            a.main_ip or _my_address(),
-            str,
-            lambda v: bool(v),
-            "an IP address or host name",
-        )
-        a.main_port = ask(
-            "Port on machine 0 for the rendezvous?",
-            a.main_port or network.DEFAULT_PORT,
-            int,
-            lambda v: 1 <= v <= 65535,
-            "a port number 1..65535",
-        )
-        a.rdzv = ask(
-            "Rendezvous: static (fixed machines) or c10d (elastic, restarts)?",
-            a.rdzv or "static",
-            str,
-            lambda v: v in ("static", "c10d"),
-            "static or c10d",
-        )
-        a.rdzv_timeout = ask(
-            "Seconds to wait for all machines to join?",
-            a.rdzv_timeout,
-            int,
-            lambda v: v > 0,
-            "a positive number of seconds",
-        )
-        if a.rdzv == "c10d":
-            a.max_restarts = ask(
-                "Restarts allowed after a worker fails?", a.max_restarts, int, lambda v: v >= 0, "a whole number >= 0"
-            )
-    mp_default = a.mixed_precision or ("bf16" if hw["bf16"] and not a.cpu else "no")
-    a.mixed_precision = ask(
-        "Mixed precision (no/bf16/fp16)?", mp_default, str, lambda v: v in MIXED, "no, bf16 or fp16"
-    )
-    a.compile = ask("Use torch.compile? (yes/no)", "yes" if a.compile else "no", yes_no, why="yes or no")
-    # FSDP2 on GPUs and on CPU (gloo; accel_trainer/sharding.py). DeepSpeed is not offered: it is refused.
-    a.sharding = ask(
-        "Shard the model with FSDP (parameters, gradients and optimizer state split over the processes): none or fsdp?",
-        a.sharding,
+
+
+def _ask_rendezvous(a):
+    """Several machines: where machine 0 is, and how the machines meet (and restart)."""
+    # Never loopback as the default here: the other machines cannot reach it (typed, it is accepted: several
+    # launches on this one machine).
+    a.main_ip = ask(
+        "Address of machine 0, as every machine reaches it?",
+        a.main_ip or _my_address(),
         str,
-        lambda v: v in ("none", "fsdp"),
-        "none or fsdp",
+        lambda v: bool(v),
+        "an IP address or host name",
     )
-    a.name = ask("Config name?", a.name or default_name(a), str, lambda v: v and "/" not in v, "a file name")
-    if a.machines > 1:
-        a.slurm = ask("Also write a SLURM batch script? (yes/no)", "yes" if a.slurm else "no", yes_no, why="yes or no")
-    return a
+    a.main_port = ask(
+        "Port on machine 0 for the rendezvous?",
+        a.main_port or network.DEFAULT_PORT,
+        int,
+        lambda v: 1 <= v <= 65535,
+        "a port number 1..65535",
+    )
+    a.rdzv = ask(
+        "Rendezvous: static (fixed machines) or c10d (elastic, restarts)?",
+        a.rdzv or "static",
+        str,
+        lambda v: v in ("static", "c10d"),
+        "static or c10d",
+    )
+    a.rdzv_timeout = ask(
+        "Seconds to wait for all machines to join?",
+        a.rdzv_timeout,
+        int,
+        lambda v: v > 0,
+        "a positive number of seconds",
+    )
+    if a.rdzv == "c10d":
+        a.max_restarts = ask(
+            "Restarts allowed after a worker fails?", a.max_restarts, int, lambda v: v >= 0, "a whole number >= 0"
+        )
 
 
 def _my_address() -> str | None:
@@ -332,6 +344,8 @@ def default_name(a) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser):
+    # One flag a statement, in --help's order: a flat list over 60 lines, read a flag at a time (split, it would
+    # scatter --help).
     p.add_argument("--name", help="config name; written to <dir>/<name>.yaml (default: from the topology)")
     p.add_argument("--dir", default="accelerate_configs", help="where to write (default: accelerate_configs)")
     p.add_argument("--machines", type=int, help="number of machines (nodes)")
@@ -403,28 +417,9 @@ def write_config(a) -> int:
         a.interactive = sys.stdin.isatty() and a.machines is None
     if a.interactive:
         interactive(a, hw)
-    a.machines = a.machines or 1
-    a.per_machine = a.per_machine or (1 if a.cpu or not hw["gpus"] else hw["gpus"])
-    a.rdzv = a.rdzv or "static"
-    if a.mixed_precision is None:
-        a.mixed_precision = "bf16" if hw["bf16"] and not a.cpu else "no"
-    if a.machines > 1 and a.main_port is None:
-        a.main_port = network.DEFAULT_PORT
-    if a.machines > 1 and not a.main_ip:
-        return _refuse(
-            [
-                "--main-ip is required with several machines: the address of machine 0 as every "
-                "machine reaches it (e.g. its cluster-network IP)."
-            ]
-        )
-    if a.sharding == "deepspeed":
-        from accel_trainer.sharding import DEEPSPEED_REFUSAL
-
-        return _refuse([DEEPSPEED_REFUSAL.format(where="--deepspeed ")])
-    if a.rdzv_timeout <= 0:
-        return _refuse([f"--rdzv-timeout {a.rdzv_timeout}: must be a positive number of seconds."])
-    if a.max_restarts and a.rdzv != "c10d":
-        return _refuse(["--max-restarts needs --rdzv c10d (the static rendezvous cannot re-form a world)."])
+    refusal = _settle(a, hw)
+    if refusal:
+        return _refuse(refusal)
 
     config = build_config(
         a.machines,
@@ -452,10 +447,50 @@ def write_config(a) -> int:
     config.to_yaml_file(path)
     load_config_from_file(path)  # what `accelerate launch` will read; fails loudly if it cannot
 
+    restarts = a.max_restarts if a.rdzv == "c10d" else 0
+    _print_launch_lines(a, config, path, restarts)
+    if a.slurm:
+        spath = os.path.join(a.dir, f"{name}.slurm.sh")
+        with open(spath, "w") as f:
+            f.write(
+                slurm_script(
+                    path, config, a.script, a.rdzv_timeout, restarts, name, requeue=a.requeue, notice_s=a.preempt_notice
+                )
+            )
+        os.chmod(spath, 0o755)
+        print(f"Wrote {spath}: sbatch {spath} [script arguments]")
+    return 0
+
+
+def _settle(a, hw) -> list[str] | None:
+    """The defaults for what was neither given nor asked; the refusal of flags that cannot go together (None: none)."""
+    a.machines = a.machines or 1
+    a.per_machine = a.per_machine or (1 if a.cpu or not hw["gpus"] else hw["gpus"])
+    a.rdzv = a.rdzv or "static"
+    if a.mixed_precision is None:
+        a.mixed_precision = "bf16" if hw["bf16"] and not a.cpu else "no"
+    if a.machines > 1 and a.main_port is None:
+        a.main_port = network.DEFAULT_PORT
+    if a.machines > 1 and not a.main_ip:
+        return [
+            "--main-ip is required with several machines: the address of machine 0 as every "
+            "machine reaches it (e.g. its cluster-network IP)."
+        ]
+    if a.sharding == "deepspeed":
+        from accel_trainer.sharding import DEEPSPEED_REFUSAL
+
+        return [DEEPSPEED_REFUSAL.format(where="--deepspeed ")]
+    if a.rdzv_timeout <= 0:
+        return [f"--rdzv-timeout {a.rdzv_timeout}: must be a positive number of seconds."]
+    if a.max_restarts and a.rdzv != "c10d":
+        return ["--max-restarts needs --rdzv c10d (the static rendezvous cannot re-form a world)."]
+    return None
+
+
+def _print_launch_lines(a, config, path: str, restarts: int):
     print(f"Wrote {path}")
     print("  " + cluster_config.describe(config).replace("\n", "\n  "))
     print("Launch (the same file on every machine; only --machine_rank differs):")
-    restarts = a.max_restarts if a.rdzv == "c10d" else 0
     shown = range(a.machines) if a.machines <= 4 else (0, 1, a.machines - 1)
     for r in shown:
         cmd = cluster_config.launch_command(path, config, r, a.script, a.rdzv_timeout, restarts)
@@ -476,17 +511,6 @@ def write_config(a) -> int:
             + (f", and that machine 0's address {a.main_ip} is reachable" if a.machines > 1 else "")
             + "."
         )
-    if a.slurm:
-        spath = os.path.join(a.dir, f"{name}.slurm.sh")
-        with open(spath, "w") as f:
-            f.write(
-                slurm_script(
-                    path, config, a.script, a.rdzv_timeout, restarts, name, requeue=a.requeue, notice_s=a.preempt_notice
-                )
-            )
-        os.chmod(spath, 0o755)
-        print(f"Wrote {spath}: sbatch {spath} [script arguments]")
-    return 0
 
 
 def _refuse(problems) -> int:

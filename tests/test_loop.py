@@ -17,7 +17,7 @@ import batchloader_recipe  # noqa: E402
 import regression  # noqa: E402
 
 from accel_trainer import Trainer  # noqa: E402
-from accel_trainer.trainer import ShortEpochError, accumulation_windows  # noqa: E402
+from accel_trainer.loaders import ShortEpochError, accumulation_windows  # noqa: E402
 
 
 def epochs_of(n_batches):

@@ -1,0 +1,106 @@
+"""Evaluation: the loss and the recipe's metrics over the whole eval split, every sample counted once on any world
+size, and the best model kept (--metric_for_best_model). Plain functions; `Trainer.evaluate` calls them and fires
+the evaluate_end event between the two.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+from accelerate.data_loader import DataLoaderShard
+from accelerate.utils import find_batch_size
+
+from .errors import UserError
+
+
+def outputs(recipe, model, batch, device) -> dict:
+    """Per-sample tensors for gather_for_metrics: `loss` (summed over the sample's items), `n_items`, and
+    `predictions`/`references` when the recipe gives them. A per-batch mean loss is spread evenly over the
+    batch's samples, which is exact when every sample has the same number of items."""
+    out = dict(recipe.eval_step(model, batch)) if recipe.eval_step else {}
+    if "loss" not in out:
+        out["loss"], out["n_items"] = recipe.loss(model, batch)
+    loss, n = out["loss"], torch.as_tensor(out["n_items"], device=device)
+    if loss.ndim == 0:
+        B = len(out["references"]) if "references" in out else find_batch_size(batch)
+        out["loss"] = (loss.float() * n / B).expand(B)
+        out["n_items"] = (n.float() / B).expand(B)
+    return out
+
+
+def gather(accelerator, eval_loader, out: dict) -> dict:
+    """Per-sample eval tensors of this rank's batch of `eval_loader` -> those of every rank, each sample of the
+    split once."""
+    acc = accelerator
+    if isinstance(eval_loader, DataLoaderShard):
+        return acc.gather_for_metrics(out)  # drops the samples Accelerate repeated to even out the ranks
+    if acc.num_processes == 1:
+        return out
+    # A recipe's batch loader gives disjoint shards whose batch sizes may differ by rank: pad to a common
+    # size, gather, and keep the real rows (all ranks must yield the same number of batches).
+    # (int64, not bool: gloo cannot gather bool tensors.)
+    out = dict(out, _valid=torch.ones(len(next(iter(out.values()))), dtype=torch.int64, device=acc.device))
+    gathered = acc.gather(acc.pad_across_processes(out, dim=0))
+    valid = gathered.pop("_valid").bool()
+    return {k: v[valid] for k, v in gathered.items()}
+
+
+@torch.no_grad()
+def evaluate(accelerator, recipe, ctx, model, eval_loader) -> dict:
+    """eval_loss (the mean over every item of the split), eval_samples and eval_<metric> of the recipe's
+    build_metrics, with `model` in eval mode (its mode is restored)."""
+    device = accelerator.device
+    metrics = recipe.build_metrics(ctx) if recipe.build_metrics else {}
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n_samples = 0
+    if hasattr(eval_loader, "set_epoch"):
+        eval_loader.set_epoch(0)
+    for batch in eval_loader:
+        out = gather(accelerator, eval_loader, outputs(recipe, model, batch, device))
+        loss_sum += out["loss"].double().sum()
+        n_sum += out["n_items"].double().sum()
+        n_samples += len(out["loss"])
+        if "predictions" in out:
+            for m in metrics.values():
+                m.add_batch(predictions=out["predictions"].cpu(), references=out["references"].cpu())
+    results = {"eval_loss": (loss_sum / n_sum.clamp(min=1)).item()}
+    results["eval_samples"] = n_samples  # every sample of the split exactly once, on any world size
+    for m in metrics.values():
+        results.update({f"eval_{k}": v for k, v in (m.compute() or {}).items()})
+    model.train(was_training)
+    return results
+
+
+def keep_if_best(accelerator, args, progress, results: dict, save_model):
+    """output_dir/best/: model.safetensors (the evaluated weights, written by `save_model(path)`, which every rank
+    calls) and best.json of the best evaluation so far, kept apart from checkpoints (save_total_limit never
+    deletes it). The best value lives in `progress`, which every checkpoint saves, so a resumed run keeps
+    comparing against it."""
+    name, p = args.metric_for_best_model, progress
+    key = name if name in results else f"eval_{name}"
+    if key not in results:
+        raise UserError(
+            f"--metric_for_best_model {name}: the evaluation gives no such metric; it gives "
+            f"{', '.join(sorted(results))}."
+        )
+    value = float(results[key])
+    greater = args.greater_is_better if args.greater_is_better is not None else not key.endswith("loss")
+    if not math.isfinite(value) or (
+        p.best_metric is not None and not (value > p.best_metric if greater else value < p.best_metric)
+    ):
+        return
+    p.best_metric, p.best_step = value, p.global_step
+    best = os.path.join(args.output_dir, "best")
+    if accelerator.is_main_process:
+        os.makedirs(best, exist_ok=True)
+    save_model(os.path.join(best, "model.safetensors"))
+    if accelerator.is_main_process:
+        with open(os.path.join(best, "best.json.tmp"), "w") as f:
+            json.dump({"step": p.global_step, "metric": key, "value": value}, f)
+        os.replace(os.path.join(best, "best.json.tmp"), os.path.join(best, "best.json"))

@@ -1,0 +1,153 @@
+"""The data loaders of a run, from a recipe's build_data, and the order the loop reads them in:
+
+    build_loaders          {"train", "eval"?, "collate"?, "loader"?} -> the train loader, the eval loader, the stream
+    take                   --max_train_samples / --max_eval_samples, for every kind of dataset
+    epoch_batches          one epoch of the train loader from a batch on (a resumed run skips what it has seen)
+    accumulation_windows   the micro-batches of each optimizer update, aligned to epoch starts
+
+A stream (an iterable train dataset) is read through streaming.py's per-rank loader; everything else through the
+recipe's own batch loader or a DataLoader that Accelerate shards over the processes.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import send_to_device
+from torch.utils.data import DataLoader, Subset
+
+from . import streaming
+from .errors import UserError
+
+
+class ShortEpochError(UserError):
+    pass
+
+
+def build_loaders(data: dict, args, accelerator, recipe_name: str):
+    """build_data's {"train", "eval"?, "collate"?, "loader"?} -> (train loader, eval loader or None, the train
+    stream: a streaming.Stream, or None for map-style data). Datasets are cut to --max_train_samples/
+    --max_eval_samples here, for every recipe; then either the recipe's `loader(dataset, batch_size=, train=,
+    drop_last=)` batches them (a batch loader, or None for ours) or a DataLoader that Accelerate shards over the
+    processes."""
+    if not isinstance(data, dict) or "train" not in data:
+        raise TypeError(f"Recipe {recipe_name}: build_data must return a dict with a 'train' entry.")
+    unknown = set(data) - {"train", "eval", "collate", "loader"}
+    if unknown:
+        raise TypeError(f"Recipe {recipe_name}: build_data returned unknown keys {sorted(unknown)}.")
+    make = data.get("loader")
+    stream = None
+
+    def loader(dataset, train: bool):
+        nonlocal stream
+        if dataset is None:
+            return None
+        if streaming.is_iterable_dataset(dataset):
+            batches = _stream_loader(dataset, train, data, args, recipe_name)
+            stream = streaming.Stream(batches, accelerator.process_index)
+            return batches
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TypeError(
+                f"Recipe {recipe_name}: build_data's {'train' if train else 'eval'} entry is a "
+                f"{type(dataset).__name__}, not a map-style dataset (__getitem__, __len__). Return the dataset, "
+                "and a 'loader' factory if the recipe batches it itself (docs/architecture.md)."
+            )
+        dataset = take(dataset, args.max_train_samples if train else args.max_eval_samples)
+        batch_size = args.per_device_train_batch_size if train else args.per_device_eval_batch_size
+        drop_last = args.dataloader_drop_last if train else False
+        batches = make(dataset, batch_size=batch_size, train=train, drop_last=drop_last) if make else None
+        if batches is not None:
+            for attr in ("__iter__", "__len__", "set_epoch"):
+                if not hasattr(batches, attr):
+                    raise TypeError(f"Recipe {recipe_name}: its loader lacks {attr} (docs/architecture.md).")
+            return batches
+        return accelerator.prepare(
+            DataLoader(
+                dataset,
+                shuffle=train,
+                collate_fn=data.get("collate"),
+                num_workers=args.dataloader_num_workers,
+                batch_size=batch_size,
+                drop_last=drop_last,
+                pin_memory=torch.cuda.is_available(),
+                # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a
+                # resumed run would see other random numbers than the uninterrupted one.
+                generator=torch.Generator().manual_seed(args.seed),
+            )
+        )
+
+    train = loader(data["train"], True)
+    return train, loader(data.get("eval"), False), stream
+
+
+def _stream_loader(dataset, train: bool, data: dict, args, recipe_name: str):
+    """This rank's StatefulDataLoader over an iterable train dataset (streaming.py: why not Accelerate's)."""
+    if not train:
+        raise UserError(
+            f"Recipe {recipe_name}: its eval data is an iterable dataset; evaluation counts every sample "
+            "once on any world size and needs a map-style one (e.g. load the validation split without streaming)."
+        )
+    if args.max_steps <= 0:
+        raise UserError(
+            "The training data is a stream (an iterable dataset) of unknown length: pass --max_steps N "
+            "(the number of optimizer updates) instead of --num_train_epochs."
+        )
+    if args.max_train_samples is not None:
+        dataset = dataset.take(args.max_train_samples)
+    return streaming.stream_loader(
+        dataset,
+        batch_size=args.per_device_train_batch_size,
+        collate=data.get("collate"),
+        num_workers=args.dataloader_num_workers,
+        drop_last=args.dataloader_drop_last,
+        seed=args.seed,
+    )
+
+
+def take(dataset, n: int | None):
+    """The first n samples (--max_train_samples / --max_eval_samples), for every kind of dataset."""
+    if n is None or n >= len(dataset):
+        return dataset
+    return dataset.select(range(n)) if hasattr(dataset, "select") else Subset(dataset, range(n))
+
+
+def epoch_batches(loader, epoch: int, skip: int, accelerator, stream: bool = False):
+    """An iterator over epoch `epoch` of the train loader from batch `skip` on, on the device."""
+    if stream:  # fetch_batch(): the stream from its current position (which is the loader's)
+        streaming.set_epoch(loader, epoch)
+        return (send_to_device(b, accelerator.device) for b in loader)
+    loader.set_epoch(epoch)  # the order is a function of (seed, epoch) only
+    if skip == 0:
+        return iter(loader)
+    if isinstance(loader, DataLoader):  # DataLoaderShard is one
+        return iter(accelerator.skip_first_batches(loader, skip))
+    if hasattr(loader, "skip_first_batches"):
+        return iter(loader.skip_first_batches(skip))
+    it = iter(loader)
+    for _ in range(skip):
+        next(it)
+    return it
+
+
+def accumulation_windows(epoch_batches, batches_per_epoch: int, accumulation: int, epoch: int = 0, start: int = 0):
+    """Yield (epoch, next_batch, window) forever: lists of `accumulation` micro-batches, aligned to the start of
+    every epoch (its last window may be shorter), beginning at batch `start` of `epoch` (a resumed run).
+    `epoch_batches(epoch, skip)` iterates one epoch from batch `skip`. `next_batch` is the position after the
+    window; it equals `batches_per_epoch` at an epoch's last window. The number of updates was computed from
+    `batches_per_epoch`, so an epoch that yields fewer batches is an error, not a silent re-run of the epoch."""
+    while True:
+        window, position = [], start
+        for batch in epoch_batches(epoch, start):
+            window.append(batch)
+            position += 1
+            if len(window) == accumulation or position == batches_per_epoch:
+                yield epoch, position, window
+                window = []
+            if position == batches_per_epoch:
+                break
+        else:
+            raise ShortEpochError(
+                f"The train loader yielded {position} batches in epoch {epoch} but its len() is {batches_per_epoch}: "
+                "the number of updates and the schedule are computed from len(). Make __len__ match what __iter__ "
+                "yields (after set_epoch)."
+            )
+        epoch, start = epoch + 1, 0
