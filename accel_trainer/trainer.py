@@ -27,6 +27,7 @@ import torch
 from accelerate.utils import DistributedType, set_seed
 from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
@@ -107,6 +108,11 @@ class Trainer:
             self.recipe.build_data(self.ctx), args, acc, self.recipe.name
         )
         self.streaming = self._train_stream is not None  # a stream (streaming.py) has no length
+        if args.dataloader_num_workers and not self.streaming and not isinstance(self.train_loader, DataLoader):
+            self.reporter.print(
+                f"note: --dataloader_num_workers {args.dataloader_num_workers} does nothing here: recipe "
+                f"{self.recipe.name} batches its data itself (build_data's 'loader'), in the training process."
+            )
         self.micro_batches_per_epoch, self.updates_per_epoch, self.total_steps = self._run_length()
         self.ctx = self.ctx.replace(num_training_steps=self.total_steps)
 

@@ -116,6 +116,17 @@ def test_data_options_apply_to_a_recipes_own_batch_loader(tmp_path):
     assert sum(len(b["x"]) for b in t.train_loader) == 32
 
 
+def test_loader_workers_a_recipe_cannot_use_are_named_not_ignored(tmp_path, capsys):
+    # A recipe that batches its data itself (the CIFAR recipe batches on the device) has no DataLoader to give
+    # --dataloader_num_workers to; the flag was silently without effect.
+    common = dict(disable_tqdm=True, per_device_train_batch_size=16, max_train_samples=40)
+    Trainer.from_recipe(batchloader_recipe, output_dir=str(tmp_path / "a"), dataloader_num_workers=2, **common)
+    out = capsys.readouterr().out
+    assert "--dataloader_num_workers 2 does nothing here" in out and batchloader_recipe.__name__ in out
+    Trainer.from_recipe(regression, output_dir=str(tmp_path / "b"), dataloader_num_workers=2, **common)
+    assert "does nothing" not in capsys.readouterr().out  # a DataLoader: the workers read the data
+
+
 def test_nan_skip_records_the_skipped_update(tmp_path):
     """A skipped update is an update: train_step returns its NaN loss (not the previous loss, and no IndexError
     when it is the first), and the logged grad_norm is not left over from an earlier update."""
