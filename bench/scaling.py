@@ -9,11 +9,14 @@ one thread per process:
   2 procs alone two independent single-process runs at the same time, per-device batch = global / 2, no
                 communication: what two processes get from this machine (cores, memory bandwidth) -- the ceiling
   variants      2 procs DDP with extra Trainer flags (--ddp_variants; default --ddp_comm_hook fp16: half the bytes)
+  hand-written  1 proc and 2 procs DDP of the loop a user writes by hand for the same run (`hand_written`: the
+                recipe's data through a DataLoader + DistributedSampler, DDP defaults, AdamW, linear schedule,
+                clipping at 1.0 as the Trainer's default, a logged loss.item() every --log_every updates)
 
 Throughput = samples per second from metrics.jsonl: (updates x global batch) / (elapsed_s difference) between
 consecutive log rows (every --log_every updates; start-up and the first updates come before the first row), the
 median over those intervals. Ratios: DDP / 1 proc (the goal is >= 1.8 on 2 cores), alone / 1 proc (the
-ceiling), DDP / alone.
+ceiling), DDP / alone, and the Trainer's step over the hand-written loop's on 1 and 2 processes (goal <= 1.02).
 
 Where the DDP time goes, measured in a hand-written DDP loop on the same model, batch and optimizer (gloo, 2
 processes, 1 thread each), per update:
@@ -66,11 +69,68 @@ def recipe_args(a, out: str, per_device: int) -> list[str]:
     )
 
 
-def throughput(out: str, global_batch: int) -> tuple[float, int]:
+def hand_written(out: str, per_device: int, a) -> None:
+    """`python bench/scaling.py --_hand OUT`: the loop a user writes by hand for the same run, on 1 process or
+    under any launcher (RANK/WORLD_SIZE/MASTER_ADDR from it): the regression recipe's data, model, AdamW and linear
+    schedule, a DataLoader with a DistributedSampler, DDP with its defaults, clipping at 1.0 (the Trainer's
+    default), and a metrics.jsonl row (step, elapsed_s, loss.item()) on rank 0 every --log_every updates: the same
+    rows `throughput` reads from the Trainer's runs."""
+    import json
+    import math
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+    from transformers import get_scheduler
+
+    sys.path.insert(0, os.path.dirname(RECIPE))
+    import regression
+
+    torch.manual_seed(0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    args = regression.Args(num_features=a.features, hidden_size=a.hidden, num_targets=a.targets)
+    data = regression.TensorDict(regression._synthetic(args, per_device * world * 8, args.data_seed + 1))
+    sampler = DistributedSampler(data, world, rank, seed=0) if world > 1 else None
+    loader = DataLoader(data, per_device, shuffle=sampler is None, sampler=sampler, collate_fn=regression.collate)
+    model = regression.build_model(SimpleNamespace(args=args))
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = get_scheduler("linear", optimizer, 0, a.steps)
+    os.makedirs(out, exist_ok=True)
+    rows = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
+    t0 = time.perf_counter()
+
+    def log(step, loss):
+        if step % a.log_every == 0:
+            value = loss.item()  # a logging loop's host sync
+            if rows:
+                rows.write(json.dumps({"step": step, "elapsed_s": time.perf_counter() - t0, "loss": value}) + "\n")
+                rows.flush()
+
+    epochs = iter(range(math.ceil(a.steps / len(loader)) + 1))
+
+    class Epochs:  # set_epoch per pass, as DistributedSampler needs
+        def __iter__(self):
+            if sampler is not None:
+                sampler.set_epoch(next(epochs))
+            return iter(loader)
+
+    harness.hand_written_loop(model, Epochs(), lambda m, b: regression.loss(m, b)[0], optimizer, scheduler,
+                              a.steps, max_grad_norm=1.0, after_update=log)  # fmt: skip
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def throughput(out: str, global_batch: int, world: int | None = None) -> tuple[float, int]:
     """Samples/s of a run, the median over its log intervals (robust to a short burst of load from elsewhere),
     and its world size from run_config.json."""
     rows = [r for r in harness.read_metrics(out) if "loss" in r]
-    world = harness.read_run_config(out)["topology"]["num_processes"]
+    world = world or harness.read_run_config(out)["topology"]["num_processes"]
     rates = [
         (b["step"] - a["step"]) * global_batch / (b["elapsed_s"] - a["elapsed_s"])
         for a, b in zip(rows, rows[1:])
@@ -118,6 +178,15 @@ def trainer_runs(a, tmp: str, round_: int) -> dict[str, float]:
     procs = [start(launch_cmd(1) + [RECIPE] + recipe_args(a, o, half), lg) for o, lg in zip(outs, logs)]
     wait(procs, logs, a.timeout)
     res["2 procs alone"] = sum(throughput(o, half)[0] for o in outs)
+    # the same two runs by the hand-written loop (`hand_written`): what the Trainer is measured against
+    for name, n, per in (("hand-written 1 proc", 1, g), ("hand-written 2 procs DDP", 2, half)):
+        out = os.path.join(tmp, f"r{round_}_hand{n}")
+        log = out + ".log"
+        hand = [os.path.abspath(__file__), "--_hand", out, "--_per_device", str(per)] + harness.flags(
+            features=a.features, hidden=a.hidden, targets=a.targets, steps=a.steps, log_every=a.log_every
+        )
+        wait([start(launch_cmd(n) + hand, log)], [log], a.timeout)
+        res[name] = throughput(out, g, world=n)[0]
     # DDP variants that move less data or communicate less often (--ddp_variants)
     for i, flags in enumerate(a.ddp_variants):
         out = os.path.join(tmp, f"r{round_}_ddp_variant{i}")
@@ -250,7 +319,11 @@ def main():
     p.add_argument("--probe_only", action="store_true", help="only the communication probe (no Trainer runs)")
     p.add_argument("--timeout", type=float, default=900, help="seconds any one run may take")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--_hand", help=argparse.SUPPRESS)  # a hand-written run writing its rows here (a child)
+    p.add_argument("--_per_device", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a._hand:
+        return hand_written(a._hand, a._per_device, a)
     if a.global_batch % 2 or a.steps <= a.log_every:
         p.error("--global_batch must be even and --steps larger than --log_every")
     a._port = harness.free_port()
@@ -284,6 +357,10 @@ def main():
         print(f"  DDP / alone            = {tput['2 procs DDP'] / tput['2 procs alone']:.3f}   (kept of the ceiling)")
         for flags in a.ddp_variants:
             print(f"  DDP {flags} / 1 proc = {tput[f'2 procs DDP {flags}'] / tput['1 proc']:.3f}")
+        hand2, hand1 = tput["hand-written 2 procs DDP"], tput["hand-written 1 proc"]
+        print(f"  hand-written 2 procs / 1 proc = {hand2 / hand1:.3f}   (the Trainer's goal: the same)")
+        print(f"  Trainer step / hand-written step, 2 procs = {hand2 / tput['2 procs DDP']:.3f}   (goal <= 1.02)")
+        print(f"  Trainer step / hand-written step, 1 proc  = {hand1 / tput['1 proc']:.3f}")
     if probe:
         print("\nCommunication probe (hand-written DDP loop, gloo, 2 x 1 thread), median ms per update:")
         print("  bucket_cap_mb  buckets  compute(no_sync)    ddp  exposed comm  hook all_reduce  idle all_reduce")
