@@ -10,6 +10,8 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from accel_trainer import wizard
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "recipes")
 # Children are started as the benches start theirs: one harness (bench/harness.py, a plain module on bench/).
@@ -53,6 +55,21 @@ def run(
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
     return proc
+
+
+def call(cmd: list[str], timeout: float, **extra_env) -> subprocess.CompletedProcess:
+    """`cmd` run from the repository root in the tests' environment, its output captured, its wait bounded."""
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(**extra_env), cwd=ROOT)
+
+
+def two_machine_config(directory, *, port=None, rdzv=None, main_ip="127.0.0.1", name="two", extra=()) -> str:
+    """A topology of 2 machines x 1 CPU process, written by the wizard itself (non-interactive) as a user would;
+    returns the config's path."""
+    argv = ["--dir", str(directory), "--name", name, "--no-interactive", "--machines", "2"]
+    argv += ["--processes-per-machine", "1", "--cpu", "--main-ip", main_ip]
+    argv += (["--main-port", str(port)] if port is not None else []) + (["--rdzv", rdzv] if rdzv else [])
+    assert wizard.main(argv + list(extra)) == 0
+    return os.path.join(str(directory), f"{name}.yaml")
 
 
 def weights(output_dir: str) -> dict[str, torch.Tensor]:

@@ -12,39 +12,13 @@ import textwrap
 import time
 
 import pytest
-from helpers import ROOT, assert_same_weights, env, free_port, launch_cmd, weights
+from helpers import ROOT, assert_same_weights, call, env, free_port, launch_cmd, two_machine_config, weights
 
-from accel_trainer import wizard
 from accel_trainer.cluster_config import RESTART_SAFE_ENV, rdzv_flags
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 STEPS, PER_DEVICE = 4, 8  # global batch 16: 2 machines x 1 process x 8, or 1 process x 16
 BOUND = 60  # seconds within which every failure must have ended
-
-
-def two_machine_config(tmp_path, rdzv, port):
-    """The loopback topology, written by the wizard itself (non-interactive)."""
-    rc = wizard.main(
-        [
-            "--dir",
-            str(tmp_path),
-            "--name",
-            f"loop_{rdzv}",
-            "--machines",
-            "2",
-            "--processes-per-machine",
-            "1",
-            "--cpu",
-            "--main-ip",
-            "127.0.0.1",
-            "--main-port",
-            str(port),
-            "--rdzv",
-            rdzv,
-        ]
-    )
-    assert rc == 0
-    return str(tmp_path / f"loop_{rdzv}.yaml")
 
 
 def start(cmd, log, **extra_env):
@@ -98,7 +72,7 @@ def two_launches(cfg, port, tmp_path, script_and_args, rdzv, extra=(), timeout=1
 @pytest.fixture(scope="module")
 def one_process_weights(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    proc = subprocess.run(
+    proc = call(
         [
             sys.executable,
             "recipes/regression.py",
@@ -109,11 +83,7 @@ def one_process_weights(tmp_path_factory):
             "--per_device_train_batch_size",
             str(2 * PER_DEVICE),
         ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env(),
-        cwd=ROOT,
+        180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return weights(out)
@@ -122,7 +92,7 @@ def one_process_weights(tmp_path_factory):
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_two_machines_on_loopback_train_like_one_process(tmp_path, rdzv, one_process_weights):
     port = free_port()
-    cfg = two_machine_config(tmp_path, rdzv, port)
+    cfg = two_machine_config(tmp_path, port=port, rdzv=rdzv)
     # Each "machine" gets its own output folder, as two real machines would.
     codes, logs = two_launches(
         cfg,
@@ -177,7 +147,7 @@ def test_c10d_with_max_restarts_survives_one_worker_failure(tmp_path):
     script = tmp_path / "fail_once.py"
     script.write_text(FAIL_ONCE)
     port = free_port()
-    cfg = two_machine_config(tmp_path, "c10d", port)
+    cfg = two_machine_config(tmp_path, port=port, rdzv="c10d")
     codes, logs = two_launches(
         cfg,
         port,
@@ -198,29 +168,18 @@ WRAPPER = [sys.executable, "-m", "accel_trainer.cli", "launch"]
 FAULT_RECIPE = os.path.join(ROOT, "tests", "fault_recipe.py")  # regression + --faults step_delay=S (slows a run)
 
 
+def machine_0_alone(cfg, rdzv_conf, output_dir):
+    """`accel-trainer launch` as machine 0 of `cfg`, with no machine 1 started, its rendezvous bounded by
+    `rdzv_conf`."""
+    cmd = WRAPPER + ["--config_file", cfg, "--machine_rank", "0", "--rdzv_conf", rdzv_conf]
+    return call(cmd + ["recipes/regression.py", "--output_dir", str(output_dir)], BOUND + 30)
+
+
 def test_missing_peer_static_fails_within_bound_and_says_who(tmp_path):
     port = free_port()
-    cfg = two_machine_config(tmp_path, "static", port)
+    cfg = two_machine_config(tmp_path, port=port, rdzv="static")
     t0 = time.monotonic()
-    proc = subprocess.run(
-        WRAPPER
-        + [
-            "--config_file",
-            cfg,
-            "--machine_rank",
-            "0",
-            "--rdzv_conf",
-            "timeout=5",
-            "recipes/regression.py",
-            "--output_dir",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=BOUND + 30,
-        env=env(),
-        cwd=ROOT,
-    )
+    proc = machine_0_alone(cfg, "timeout=5", tmp_path / "o")
     took = time.monotonic() - t0
     assert proc.returncode != 0
     assert took < BOUND, took
@@ -232,28 +191,10 @@ def test_missing_peer_static_fails_within_bound_and_says_who(tmp_path):
 
 
 def test_missing_peer_c10d_fails_within_bound_and_says_what_to_check(tmp_path):
-    cfg = two_machine_config(tmp_path, "c10d", free_port())
+    cfg = two_machine_config(tmp_path, port=free_port(), rdzv="c10d")
     t0 = time.monotonic()
     # No --rdzv_backend: `accel-trainer launch` takes c10d from the config (accelerate alone would run static).
-    proc = subprocess.run(
-        WRAPPER
-        + [
-            "--config_file",
-            cfg,
-            "--machine_rank",
-            "0",
-            "--rdzv_conf",
-            "join_timeout=5,read_timeout=5",
-            "recipes/regression.py",
-            "--output_dir",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=BOUND + 30,
-        env=env(),
-        cwd=ROOT,
-    )
+    proc = machine_0_alone(cfg, "join_timeout=5,read_timeout=5", tmp_path / "o")
     took = time.monotonic() - t0
     assert proc.returncode != 0
     assert took < BOUND, took
@@ -267,27 +208,9 @@ def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        cfg = two_machine_config(tmp_path, "static", busy.getsockname()[1])
+        cfg = two_machine_config(tmp_path, port=busy.getsockname()[1], rdzv="static")
         t0 = time.monotonic()
-        proc = subprocess.run(
-            WRAPPER
-            + [
-                "--config_file",
-                cfg,
-                "--machine_rank",
-                "0",
-                "--rdzv_conf",
-                "timeout=5",
-                "recipes/regression.py",
-                "--output_dir",
-                str(tmp_path / "o"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=BOUND + 30,
-            env=env(),
-            cwd=ROOT,
-        )
+        proc = machine_0_alone(cfg, "timeout=5", tmp_path / "o")
     assert proc.returncode != 0
     assert time.monotonic() - t0 < BOUND
     assert "another process is utilizing it" in proc.stdout, proc.stdout[-2000:]  # accelerate's words
@@ -315,13 +238,9 @@ def test_launch_that_runs_one_process_instead_of_two_is_stopped(tmp_path, how):
             "num_machines: 1\nnum_processes: 2\nuse_cpu: true\n"
         )
         launch = ["--config_file", str(cfg)]
-    proc = subprocess.run(
+    proc = call(
         LAUNCH + launch + ["recipes/regression.py", "--output_dir", str(tmp_path / "o"), "--max_steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=BOUND + 30,
-        env=env(),
-        cwd=ROOT,
+        BOUND + 30,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-2000:]
@@ -341,13 +260,9 @@ NAIVE = textwrap.dedent("""
 def test_each_process_alone_in_a_world_of_one_is_stopped(tmp_path):
     script = tmp_path / "naive.py"
     script.write_text(NAIVE)
-    proc = subprocess.run(
+    proc = call(
         LAUNCH + ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()), str(script)],
-        capture_output=True,
-        text=True,
-        timeout=BOUND + 30,
-        env=env(),
-        cwd=ROOT,
+        BOUND + 30,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -358,7 +273,7 @@ def test_each_process_alone_in_a_world_of_one_is_stopped(tmp_path):
 def test_wrapper_refuses_a_rank_out_of_range_and_an_unresolvable_main_address(tmp_path, capsys):
     from accel_trainer import launch
 
-    cfg = two_machine_config(tmp_path, "static", free_port())
+    cfg = two_machine_config(tmp_path, port=free_port(), rdzv="static")
     capsys.readouterr()
     assert launch.launch(["--config_file", cfg, "--machine_rank", "2", "recipes/regression.py"]) == 2
     assert "--machine_rank 2 is out of range for 2 machines (valid: 0..1)" in capsys.readouterr().err
@@ -388,13 +303,9 @@ def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path, command):
     bad = tmp_path / "bad.yaml"
     bad.write_text(MALFORMED)
     tail = ["recipes/regression.py", "--output_dir", str(tmp_path / "o")] if command == "launch" else []
-    proc = subprocess.run(
+    proc = call(
         [sys.executable, "-m", "accel_trainer.cli", command, "--config_file", str(bad), *tail],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env(),
-        cwd=ROOT,
+        60,
     )
     out = (proc.stdout + proc.stderr).strip()
     assert proc.returncode != 0
