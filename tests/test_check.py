@@ -8,32 +8,17 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, env, free_port
+from helpers import ROOT, call, env, free_port, two_machine_config
 
 from accel_trainer import check as preflight
-from accel_trainer import wizard
 
 CHECK = [sys.executable, "-m", "accel_trainer.cli", "check"]
 CONFIGS = os.path.join(ROOT, "accelerate_configs")
 
 
 def test_collective_across_two_cpu_processes():
-    proc = subprocess.run(
-        CHECK
-        + [
-            "--config_file",
-            "accelerate_configs/cpu_2proc.yaml",
-            "--main_process_port",
-            str(free_port()),
-            "--timeout",
-            "30",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=env(),
-        cwd=ROOT,
-    )
+    cmd = CHECK + ["--config_file", "accelerate_configs/cpu_2proc.yaml", "--main_process_port", str(free_port())]
+    proc = call(cmd + ["--timeout", "30"], 150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 machine(s) x 2 CPU process(es) per machine = 2 processes in total" in proc.stdout
     assert "[ ok ] collective OK: 2 processes on 1 machine(s) (2 per machine), backend gloo" in proc.stdout
@@ -41,29 +26,7 @@ def test_collective_across_two_cpu_processes():
 
 
 def test_collective_across_two_machines_on_loopback(tmp_path):
-    port = free_port()
-    assert (
-        wizard.main(
-            [
-                "--dir",
-                str(tmp_path),
-                "--name",
-                "two",
-                "--no-interactive",
-                "--machines",
-                "2",
-                "--processes-per-machine",
-                "1",
-                "--cpu",
-                "--main-ip",
-                "127.0.0.1",
-                "--main-port",
-                str(port),
-            ]
-        )
-        == 0
-    )
-    cfg = str(tmp_path / "two.yaml")
+    cfg = two_machine_config(tmp_path, port=free_port())
     procs = [
         subprocess.Popen(
             CHECK + ["--config_file", cfg, "--machine_rank", str(r), "--timeout", "40"],
@@ -116,32 +79,12 @@ def test_busy_port_on_machine_0_and_rank_out_of_range(tmp_path, capsys):
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert (
-            wizard.main(
-                [
-                    "--dir",
-                    str(tmp_path),
-                    "--name",
-                    "two",
-                    "--no-interactive",
-                    "--machines",
-                    "2",
-                    "--processes-per-machine",
-                    "1",
-                    "--cpu",
-                    "--main-ip",
-                    "127.0.0.1",
-                    "--main-port",
-                    str(port),
-                ]
-            )
-            == 0
-        )
+        cfg = two_machine_config(tmp_path, port=port)
         capsys.readouterr()
-        assert preflight.main(["--config_file", str(tmp_path / "two.yaml"), "--machine_rank", "0"]) == 1
+        assert preflight.main(["--config_file", cfg, "--machine_rank", "0"]) == 1
         out = capsys.readouterr().out
         assert f"[FAIL] port {port} is already in use on this machine" in out and "Nothing was launched" in out
-    assert preflight.main(["--config_file", str(tmp_path / "two.yaml"), "--machine_rank", "2"]) == 1
+    assert preflight.main(["--config_file", cfg, "--machine_rank", "2"]) == 1
     assert "--machine_rank 2 is out of range for 2 machines" in capsys.readouterr().out
 
 

@@ -8,45 +8,19 @@ import sys
 import pexpect
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from helpers import ROOT, env
+from helpers import ROOT, env, two_machine_config
 
 from accel_trainer import wizard
 
 SKIP = ["--skip-device-check"]  # GPU topologies are written here for other machines
+TWO_X8 = ["--machines", "2", "--gpus-per-machine", "8", "--mixed-precision", "bf16", "--main-ip", "machine0.invalid"]
 SHIPPED_FLAGS = {
     "cpu_1proc": ["--machines", "1", "--processes-per-machine", "1", "--cpu"],
     "cpu_2proc": ["--machines", "1", "--processes-per-machine", "2", "--cpu"],
     "gpu_1": ["--machines", "1", "--gpus-per-machine", "1", "--mixed-precision", "no"] + SKIP,
     "gpu_1x8_bf16": ["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16"] + SKIP,
-    "gpu_2x8_bf16_static": [
-        "--machines",
-        "2",
-        "--gpus-per-machine",
-        "8",
-        "--mixed-precision",
-        "bf16",
-        "--main-ip",
-        "machine0.invalid",
-        "--rdzv",
-        "static",
-    ]
-    + SKIP,
-    "gpu_2x8_bf16_c10d": [
-        "--machines",
-        "2",
-        "--gpus-per-machine",
-        "8",
-        "--mixed-precision",
-        "bf16",
-        "--main-ip",
-        "machine0.invalid",
-        "--rdzv",
-        "c10d",
-        "--max-restarts",
-        "3",
-        "--slurm",
-    ]
-    + SKIP,
+    "gpu_2x8_bf16_static": TWO_X8 + ["--rdzv", "static"] + SKIP,
+    "gpu_2x8_bf16_c10d": TWO_X8 + ["--rdzv", "c10d", "--max-restarts", "3", "--slurm"] + SKIP,
     "gpu_1x8_fsdp_bf16": ["--machines", "1", "--gpus-per-machine", "8", "--mixed-precision", "bf16", "--fsdp"] + SKIP,
 }
 
@@ -254,32 +228,8 @@ FAKE_LAUNCHER = '#!/bin/bash\necho "LAUNCH $*"\nexit "${FAKE_EXIT:-0}"\n'
 
 
 def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
-    assert (
-        wizard.main(
-            [
-                "--dir",
-                str(tmp_path),
-                "--name",
-                "s",
-                "--no-interactive",
-                "--machines",
-                "2",
-                "--processes-per-machine",
-                "1",
-                "--cpu",
-                "--main-ip",
-                "unused",
-                "--rdzv",
-                "c10d",
-                "--max-restarts",
-                "1",
-                "--slurm",
-                "--script",
-                "recipes/regression.py",
-            ]
-        )
-        == 0
-    )
+    slurm = ["--max-restarts", "1", "--slurm", "--script", "recipes/regression.py"]
+    two_machine_config(tmp_path, rdzv="c10d", main_ip="unused", name="s", extra=slurm)
     script = tmp_path / "s.slurm.sh"
     text = read(script)
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
