@@ -324,8 +324,8 @@ def _replicate_buffers(model, optimizer) -> bool:
     differ until the next step; a checkpoint of exactly that update holds one rank's."""
     import torch.distributed as dist
 
-    persistent = set(model.state_dict())
-    names = [n for n, b in model.named_buffers() if n in persistent and b.is_floating_point()]
+    floating = {n for n, b in model.named_buffers() if b.is_floating_point()}
+    names = [n for n in _persistent_buffers(model) if n in floating]
     if not names:
         return False
 
