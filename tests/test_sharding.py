@@ -472,3 +472,13 @@ def test_wrap_policy_and_mixed_precision_policy(monkeypatch):
     policy = sharding.mixed_precision_policy("bf16", "fp32")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert sharding.mixed_precision_policy("bf16", None) is None  # Accelerate's default: all bf16
+
+
+def test_a_batchnorm_model_not_loaded_on_every_rank_is_refused_with_the_config_fix():
+    # fsdp_cpu_ram_efficient_loading with a model whose weights exist on rank 0 only (transformers loads the others
+    # on the meta device): our rank-0 broadcast has nothing to receive into, so the run stops naming the fix.
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    acc, plugin = SimpleNamespace(process_index=1, device=torch.device("cpu")), SimpleNamespace()
+    with pytest.raises(sharding.ShardingError, match="fsdp_cpu_ram_efficient_loading: false"):
+        sharding._load_from_rank0_ourselves(acc, plugin, model)
