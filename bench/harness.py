@@ -151,13 +151,18 @@ def write_json(path: str | None, results: dict):
 def hand_written_loop(model, loader, loss_fn, optimizer, scheduler, steps: int, *, max_grad_norm=0.0, backward=None,
                       after_update=None):  # fmt: skip
     """The loop the Trainer is measured against, as a user writes it by hand: forward (`loss_fn(model, batch)`),
-    backward, clip (when max_grad_norm), step, schedule, zero_grad, over epochs of `loader` until `steps` updates.
+    backward, clip (when max_grad_norm), step, schedule, zero_grad, over epochs of `loader` until `steps` updates
+    (with `set_epoch` before each epoch where its sampler has one, as a DistributedSampler needs).
     `backward`: Accelerate's for a bare-Accelerate baseline (default: loss.backward()). `after_update(step, loss)`
     logs; a host sync there (loss.item()) is the caller's to make, as a logging loop would."""
     from torch.nn.utils import clip_grad_norm_
 
-    step = 0
+    step, epoch = 0, 0
+    sampler = getattr(loader, "sampler", None)
     while step < steps:
+        if hasattr(sampler, "set_epoch"):  # a DistributedSampler's order is a function of (seed, epoch)
+            sampler.set_epoch(epoch)
+        epoch += 1
         for batch in loader:
             loss = loss_fn(model, batch)
             if backward:

@@ -1,17 +1,31 @@
 """What does the Trainer cost per step? Times, in one process on the same model and data:
 
-  plain    a hand-written PyTorch loop (DataLoader, forward, backward, AdamW step, LR schedule, zero_grad)
-  accel    the same loop written on bare Accelerate (prepare, accelerator.backward, prepared optimizer/scheduler)
-  trainer  accel_trainer.Trainer.fit on a recipe with the same model, data, optimizer and schedule, logging once
-  logged   the same Trainer logging every 10 updates (metrics.jsonl rows with throughput, step time, data wait,
-           memory: the cost of what a run shows about itself)
+  plain     a hand-written PyTorch loop (DataLoader, forward, backward, AdamW step, LR schedule, zero_grad)
+  accel     the same loop written on bare Accelerate (prepare, accelerator.backward, prepared optimizer/scheduler)
+  trainer   accel_trainer.Trainer.fit on a recipe with the same model, data, optimizer and schedule, logging once
+  plain+    the hand-written loop as a user runs it: clipping at 1.0, a tqdm bar and a printed `loss.item()` every
+            10 updates, on a terminal
+  defaults  the Trainer with the same user's defaults: clipping at 1.0, a metrics.jsonl + console row every 10
+            updates (throughput, step time, data wait, memory), its progress bar, on a terminal
 
-Model: MLP 256-512-512-10, batch 64, AdamW, linear LR decay, no clipping, fp32, one CPU thread. The four
-are run interleaved for --rounds rounds of --steps steps each; we report the median ms/step and the ratios.
-All four run on the device Accelerate picks (a GPU where there is one; --cpu for the CPU), with the same data
-path: a DataLoader over CPU tensors, each batch moved to the device. A run's time ends after a device sync.
+"On a terminal": stdout and stderr are a pseudo-terminal (pty) for those two rows, drained by a thread, so tqdm
+draws its bar as it would for a user (the Trainer draws none when stderr is not a terminal).
 
-    python bench/overhead.py                # ~1 minute on a 2-core CPU
+Model: MLP 256-512-512-10, batch 64, AdamW, linear LR decay, fp32, one CPU thread. The five are run interleaved
+for --rounds rounds of --steps steps each; we report the median ms/step and the ratios. All run on the device
+Accelerate picks (a GPU where there is one; --cpu for the CPU), with the same data path: a DataLoader over CPU
+tensors, shuffled by a generator seeded with the Trainer's --seed, each batch moved to the device. A run's time
+ends after a device sync. From the same run it also prints:
+
+  final weights   the trainer's vs the plain loop's, and the defaults' vs plain+'s, after the same number of
+                  updates: on a CPU in fp32 they do the same arithmetic, so they must be bit-identical
+  peak memory     plain+ vs defaults, each in a fresh process (--_memory): on a GPU the peak of
+                  torch.accelerator.max_memory_allocated; on a CPU, which has no allocator statistics, the peak
+                  resident memory (VmHWM, reset through /proc/self/clear_refs) above the resident memory before
+                  the model is built, in a second run after a 20-update first one (so that neither counts its
+                  lazy imports, e.g. torch._dynamo's ~80 MB at the first optimizer). Goal: defaults <= 1.05x.
+
+    python bench/overhead.py                # ~2 minutes on a 2-core CPU
     python bench/overhead.py --cpu          # the CPU on a GPU machine
 
 The last line, `RESULT {...}`, is the same as JSON (bench/gpu.py's overhead row reads it).
@@ -20,26 +34,46 @@ The last line, `RESULT {...}`, is the same as JSON (bench/gpu.py's overhead row 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import os
+import pty
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 
 import torch
 from harness import hand_written_loop
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from accel_trainer import Recipe, Trainer, TrainingArguments
 from accel_trainer.precision import training_device
 
 BATCH, SAMPLES, LR = 64, 64 * 64, 1e-3  # samples per step, samples per epoch, AdamW learning rate
+SEED = TrainingArguments.seed  # the Trainer's default --seed: its DataLoader shuffles with a generator seeded by it
+CLIP, EVERY = 1.0, 10  # a user's defaults: clipping at 1.0, a log row every 10 updates
 CPU = False  # --cpu
 
 
 def sync(device):
     if device.type != "cpu":  # queued kernels are part of the run's time
         torch.accelerator.synchronize()
+
+
+def clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def per_step(t0: tuple[float, float], steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per step since `t0`. The CPU time of this process is robust to other processes and to
+    a VM's stolen time, which this noisy machine's wall times are not (one thread: it is the loop's time)."""
+    t1 = clock()
+    return (t1[0] - t0[0]) / steps, (t1[1] - t0[1]) / steps
 
 
 def make_model():
@@ -61,35 +95,56 @@ def cross_entropy(model, batch):
     return nn.functional.cross_entropy(model(x), y)
 
 
-def plain(steps: int) -> float:
+def shuffled(data):
+    """Shuffled as a hand-written distributed loop does (the hand-written loop calls set_epoch): the order of
+    epoch e is torch.randperm seeded with SEED + e, the Trainer's order on one process (Accelerate's seedable
+    sampler)."""
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    return DataLoader(data, batch_size=BATCH, sampler=sampler)
+
+
+def plain(steps: int, user: bool = False):
+    """(seconds per step, the trained model). `user`: clipping, a tqdm bar and a printed loss every 10 updates."""
+    from tqdm.auto import tqdm
+
     device = training_device(CPU)
     model, data = make_model().to(device), make_data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = linear_decay(opt, steps)
-    loader = DataLoader(data, batch_size=BATCH, shuffle=True)
-    t0 = time.perf_counter()
+    bar = tqdm(total=steps, disable=not user)
+
+    def after_update(step, loss):
+        bar.update(1)
+        if step % EVERY == 0:
+            bar.write(f"step {step} loss {loss.item():.4f}")
+
+    t0 = clock()
     # The batch moves to the device in the loss, as Accelerate's prepared loader does for the other two.
-    hand_written_loop(model, loader, lambda m, b: cross_entropy(m, [t.to(device) for t in b]), opt, sched, steps)
+    loss = lambda m, b: cross_entropy(m, [t.to(device) for t in b])  # noqa: E731
+    hand_written_loop(model, shuffled(data), loss, opt, sched, steps, max_grad_norm=CLIP if user else 0.0,
+                      after_update=after_update if user else None)  # fmt: skip
     sync(device)
-    return (time.perf_counter() - t0) / steps
+    t = per_step(t0, steps)
+    bar.close()
+    return t, model
 
 
-def bare_accelerate(steps: int) -> float:
+def bare_accelerate(steps: int):
     from accelerate import Accelerator
 
     acc = Accelerator(cpu=CPU)
     model, data = make_model(), make_data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    model, opt, sched, loader = acc.prepare(
-        model, opt, linear_decay(opt, steps), DataLoader(data, batch_size=BATCH, shuffle=True)
-    )
-    t0 = time.perf_counter()
+    model, opt, sched, loader = acc.prepare(model, opt, linear_decay(opt, steps), shuffled(data))
+    t0 = clock()
     hand_written_loop(model, loader, cross_entropy, opt, sched, steps, backward=acc.backward)
     sync(acc.device)
-    return (time.perf_counter() - t0) / steps
+    return per_step(t0, steps), model
 
 
-def trainer(steps: int, logging_steps: int = 10**9) -> float:
+def trainer(steps: int, user: bool = False):
+    """(seconds per step, the trained model). `user`: the Trainer's defaults as a user runs it (clipping, a row
+    every 10 updates on the console and in metrics.jsonl, the progress bar)."""
     recipe = Recipe(
         name="overhead",
         build_model=lambda ctx: make_model(),
@@ -105,17 +160,96 @@ def trainer(steps: int, logging_steps: int = 10**9) -> float:
                 output_dir=out,
                 per_device_train_batch_size=BATCH,
                 max_steps=steps,
-                max_grad_norm=0.0,
-                logging_steps=logging_steps,
+                max_grad_norm=CLIP if user else 0.0,
+                logging_steps=EVERY if user else 10**9,
                 save_steps=0,
-                disable_tqdm=True,
+                disable_tqdm=not user,
                 use_cpu=CPU,
+                seed=SEED,
             ),
-            quiet=True,
+            quiet=not user,
         )
-        t0 = time.perf_counter()
+        t0 = clock()
         t.fit()  # includes one final log line and writing model.safetensors (~1 ms in all)
-        return (time.perf_counter() - t0) / steps
+        return per_step(t0, steps), t.accelerator.unwrap_model(t.model)
+
+
+@contextlib.contextmanager
+def on_a_terminal():
+    """stdout and stderr are a pseudo-terminal while inside (what a user watching the run has), read by a thread
+    that throws the text away."""
+    leader, follower = pty.openpty()
+    reader = threading.Thread(target=lambda: _drain(leader), daemon=True)
+    reader.start()
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(follower, 1), os.dup2(follower, 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        os.close(follower)  # the reader sees EOF (EIO) and ends
+        reader.join(timeout=5)
+        os.close(leader), os.close(saved[0]), os.close(saved[1])
+
+
+def _drain(fd):
+    with contextlib.suppress(OSError):
+        while os.read(fd, 65536):
+            pass
+
+
+LOOPS = {
+    "plain": lambda n: plain(n),
+    "accel": bare_accelerate,
+    "trainer": lambda n: trainer(n),
+    "plain+": lambda n: plain(n, user=True),
+    "defaults": lambda n: trainer(n, user=True),
+}
+ON_A_TERMINAL = {"plain+", "defaults"}
+
+
+def run(name, steps):
+    with on_a_terminal() if name in ON_A_TERMINAL else contextlib.nullcontext():
+        return LOOPS[name](steps)
+
+
+def identical(a: nn.Module, b: nn.Module) -> str:
+    sa, sb = a.state_dict(), b.state_dict()
+    diff = max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+    return "bit-identical" if all(torch.equal(sa[k], sb[k]) for k in sa) else f"DIFFERENT (max |diff| {diff:.3g})"
+
+
+def peak_memory_mb(name: str, steps: int) -> float:
+    """The peak memory of one run of `name` in a fresh process (see the module docstring), in MB."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_memory", name, "--steps", str(steps)]
+    out = subprocess.run(cmd + (["--cpu"] if CPU else []), check=True, capture_output=True, text=True).stdout
+    return float(out.split("PEAK_MB ")[-1])
+
+
+def _measure_memory(name: str, steps: int):
+    import accelerate  # noqa: F401  (both processes import the same packages before the baseline)
+    import tqdm  # noqa: F401
+
+    device = training_device(CPU)
+    if device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats()
+        run(name, steps)
+        print(f"PEAK_MB {torch.accelerator.max_memory_allocated() / 2**20:.3f}")
+        return
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024  # kB -> MB
+
+    run(name, 20)  # first-call costs (lazy imports: torch._dynamo at the optimizer, ~80 MB) are not the loop's
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (the peak resident memory) to the current resident memory
+    before = status("VmRSS")
+    run(name, steps)
+    print(f"PEAK_MB {status('VmHWM') - before:.3f}")
 
 
 def main():
@@ -124,31 +258,62 @@ def main():
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--cpu", action="store_true", help="the CPU even where there is a GPU")
+    p.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     global CPU
     CPU = a.cpu
     torch.set_num_threads(a.threads)
-    loops = {"plain": plain, "accel": bare_accelerate, "trainer": trainer, "logged": lambda n: trainer(n, 10)}
-    for fn in loops.values():  # warm-up: imports, allocator, first-call costs
-        fn(50)
-    times = {name: [] for name in loops}
+    if a._memory:
+        _measure_memory(a._memory, a.steps)
+        return
+    for name in LOOPS:  # warm-up: imports, allocator, first-call costs
+        run(name, 50)
+    times, models = {name: [] for name in LOOPS}, {}  # name -> [(wall, CPU) ms per step per round]
     for _ in range(a.rounds):
-        for name, fn in loops.items():
-            times[name].append(fn(a.steps) * 1e3)
-    med = {name: statistics.median(v) for name, v in times.items()}
+        for name in LOOPS:
+            t, models[name] = run(name, a.steps)
+            times[name].append((t[0] * 1e3, t[1] * 1e3))
+    wall = {name: statistics.median(w for w, _ in v) for name, v in times.items()}
+    cpu = {name: statistics.median(c for _, c in v) for name, v in times.items()}
+    memory = {name: peak_memory_mb(name, a.steps) for name in ("plain+", "defaults")}
     device = training_device(CPU)
     print(
         f"torch {torch.__version__}, {device.type}, {a.threads} thread(s), {a.rounds} rounds x {a.steps} steps, "
-        "median ms/step"
+        "median ms/step, wall and CPU time of this process"
     )
-    for name in loops:
-        spread = f"[{min(times[name]):.3f} .. {max(times[name]):.3f}]"
-        print(f"  {name:8s} {med[name]:7.3f} ms/step {spread:>20s}   x{med[name] / med['plain']:.3f} of plain")
+    print(f"  {'':8s} {'wall':>7s} {'(spread)':>20s} {'ratio':>6s}   {'CPU':>7s} {'(spread)':>20s} {'ratio':>6s}")
+    for name in LOOPS:
+        base = "plain+" if name == "defaults" else "plain"
+        cols = []
+        for k, med in ((0, wall), (1, cpu)):
+            v = [t[k] for t in times[name]]
+            cols.append(f"{med[name]:7.3f} {f'[{min(v):.3f} .. {max(v):.3f}]':>20s} {med[name] / med[base]:6.3f}")
+        print(f"  {name:8s} {cols[0]}   {cols[1]}   (ratio: x {base})")
+    for what, med in (("wall", wall), ("CPU", cpu)):
+        print(
+            f"{what:4s}: trainer / plain = {med['trainer'] / med['plain']:.3f}; accel / plain = "
+            f"{med['accel'] / med['plain']:.3f}; defaults / plain+ = {med['defaults'] / med['plain+']:.3f} "
+            "(goal <= 1.01)"
+        )
+    weights = {
+        "trainer vs plain": identical(models["trainer"], models["plain"]),
+        "defaults vs plain+": identical(models["defaults"], models["plain+"]),
+    }
+    print("final weights after", a.steps, "updates:", "; ".join(f"{k}: {v}" for k, v in weights.items()))
+    what = "max_memory_allocated" if device.type != "cpu" else "resident memory above the pre-model baseline"
     print(
-        f"trainer / plain = {med['trainer'] / med['plain']:.3f}; accel / plain = {med['accel'] / med['plain']:.3f}; "
-        f"trainer / accel = {med['trainer'] / med['accel']:.3f}; logged / plain = {med['logged'] / med['plain']:.3f}"
+        f"peak memory ({what}): plain+ {memory['plain+']:.1f} MB, defaults {memory['defaults']:.1f} MB, "
+        f"defaults / plain+ = {memory['defaults'] / max(memory['plain+'], 1e-9):.3f} (goal <= 1.05)"
     )
-    result = {"device": device.type, "rounds": a.rounds, "steps": a.steps, "ms_per_step": med}
+    result = {
+        "device": device.type,
+        "rounds": a.rounds,
+        "steps": a.steps,
+        "ms_per_step": wall,
+        "cpu_ms_per_step": cpu,
+        "final_weights": weights,
+        "peak_memory_mb": memory,
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -76,7 +76,6 @@ def hand_written(out: str, per_device: int, a) -> None:
     default), and a metrics.jsonl row (step, elapsed_s, loss.item()) on rank 0 every --log_every updates: the same
     rows `throughput` reads from the Trainer's runs."""
     import json
-    import math
     from types import SimpleNamespace
 
     import torch
@@ -112,15 +111,7 @@ def hand_written(out: str, per_device: int, a) -> None:
                 rows.write(json.dumps({"step": step, "elapsed_s": time.perf_counter() - t0, "loss": value}) + "\n")
                 rows.flush()
 
-    epochs = iter(range(math.ceil(a.steps / len(loader)) + 1))
-
-    class Epochs:  # set_epoch per pass, as DistributedSampler needs
-        def __iter__(self):
-            if sampler is not None:
-                sampler.set_epoch(next(epochs))
-            return iter(loader)
-
-    harness.hand_written_loop(model, Epochs(), lambda m, b: regression.loss(m, b)[0], optimizer, scheduler,
+    harness.hand_written_loop(model, loader, lambda m, b: regression.loss(m, b)[0], optimizer, scheduler,
                               a.steps, max_grad_norm=1.0, after_update=log)  # fmt: skip
     if world > 1:
         dist.destroy_process_group()
