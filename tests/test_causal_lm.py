@@ -105,6 +105,9 @@ def test_per_line_batches_mask_padding_and_weight_by_target_tokens(env):
     weighted = (l_s * n_s + l_l * n_l) / (n_s + n_l)
     torch.testing.assert_close(weighted, l_a)
     assert abs(float((l_s + l_l).detach() / 2 - l_a.detach())) > 1e-3
+    # and it is the model's own next-token loss (transformers' shift and -100 masking), on padded rows too
+    own = model(input_ids=b_all["input_ids"], attention_mask=b_all["attention_mask"], labels=b_all["labels"]).loss
+    torch.testing.assert_close(l_a, own)
 
 
 def test_missing_inputs_give_a_clear_error(env):
