@@ -10,7 +10,6 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import (
     DataLoaderConfiguration,
-    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     DistributedType,
     GradScalerKwargs,
@@ -21,15 +20,6 @@ from . import precision, sharding
 from .args import TrainingArguments
 from .errors import UserError
 from .world import launched_world_size
-
-_COMM_HOOKS = {
-    "none": DDPCommunicationHookType.NO,
-    "fp16": DDPCommunicationHookType.FP16,
-    "bf16": DDPCommunicationHookType.BF16,
-    "power_sgd": DDPCommunicationHookType.POWER_SGD,
-    "batched_power_sgd": DDPCommunicationHookType.BATCHED_POWER_SGD,
-}
-
 
 # What NCCL's watchdog does when a collective fails or times out (--ddp_timeout). torch's default, 3 (SkipCleanUp),
 # ends the process from the watchdog thread: the main thread never sees an exception, so the Trainer cannot name
@@ -110,11 +100,8 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
 
 
 def _kwargs_handlers(args: TrainingArguments) -> list:
-    ddp = DistributedDataParallelKwargs(
-        find_unused_parameters=args.ddp_find_unused_parameters, comm_hook=_COMM_HOOKS[args.ddp_comm_hook]
-    )
-    if "power_sgd" in args.ddp_comm_hook:
-        ddp.comm_state_option = {"matrix_approximation_rank": args.powersgd_rank}
+    # No comm hook for Accelerate to register: update.WeightedDDP registers --ddp_comm_hook's behind its weighting.
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
     return [
         ddp,
         process_group_kwargs(args.ddp_timeout),  # process-group set-up and every collective

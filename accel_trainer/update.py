@@ -2,19 +2,22 @@
 takes, top to bottom in `Updater.__call__`:
 
     forward + backward of each micro-batch, weighted by its item count (recipe.loss gives the mean and the count)
-    before the window's last backward: the one all-reduce (loss sum, item count, preemption vote), and the
-        gradients rescaled to the mean over every item of the global batch (FSDP: after the last backward)
+    before the window's last backward: the one all-reduce (loss sum, item count, preemption vote) is started;
+        DDP's comm hook weighs each rank's gradient by its share of the items (FSDP: after the last backward)
     clip (--max_grad_norm), the non-finite check (--nan_policy skip), the optimizer step (fp16 overflow skips)
     then, if it stepped: the scheduler and the EMA; the gradients zeroed
 
 Gradient accumulation is ours, not `accelerator.accumulate`: one update's gradient must be the mean over every
 item (sample or token) of the global batch, weighted by item count, on any world size. Each micro-batch's
-backward uses its summed loss (mean x n_items); before the window's last backward (the one DDP communicates) the
-item count N of the whole global batch is all-reduced once, the gradients so far are scaled by world_size / N and
-the last backward uses mean x n_items x world_size / N (DDP then averages over ranks): what is communicated is of
-mean size, which a compressing comm hook (fp16) needs. Under FSDP the same scaling comes after the last backward.
-With one process and no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a
-plain loop).
+backward uses its summed loss (mean x n_items). Before the window's last backward (the one DDP communicates) this
+rank's gradients are scaled to its own mean (1 / n, n its items in the window: known here, no communication), so
+what is communicated is of mean size, which a compressing comm hook (fp16) needs. The item count N of the whole
+global batch is all-reduced *asynchronously* meanwhile, and our DDP comm hook (WeightedDDP) multiplies each bucket
+by n x world_size / N just before DDP averages it over the ranks: the mean over all N items. With equal counts
+(the usual case) that factor is exactly 1. Waiting for N in the hook, at the end of the backward, instead of
+before it, saves one synchronisation of the ranks per update (bench/scaling.py: ~5 ms of a ~95 ms 2-process
+update). Under FSDP the scaling comes after the last backward. With one process and no accumulation the mean
+loss is already that, and we skip the bookkeeping (no cost over a plain loop).
 
 The Trainer keeps the run's side of an update (the step counter, skipped steps, the log window); the Updater
 owns what one update needs from one call to the next: the fast-path choices and the last gradient norm.
@@ -22,7 +25,7 @@ owns what one update needs from one call to the next: the fast-path choices and 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +62,7 @@ class Updater:
         self.inner_opt = optimizer.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.weighted = accelerator.num_processes > 1 or args.gradient_accumulation_steps > 1
+        self.ddp = WeightedDDP.register(model, args) if accelerator.num_processes > 1 and not self.sharded else None
         self.grad_norm = None
 
     def __call__(self, window: list, schedule: bool = True) -> Result:
@@ -98,16 +102,21 @@ class Updater:
                     n_sum = n_sum + n
                     if not self.weighted:
                         self._backward(loss)
-                    elif last and not self.sharded:  # DDP: scaled to the mean before it is communicated
+                    elif last and self.ddp is not None:  # this rank's mean; the comm hook weighs it by its share
+                        pending = self._start_totals(loss_sum, n_sum)
+                        with self.ddp.weighing(pending, n_sum):
+                            self._backward(loss * n * self._to_mean(n_sum, 1))
+                        loss_sum, n_sum = self._finish_totals(pending)
+                    elif last and not self.sharded:  # no DDP wrapper (no trainable parameters): nothing to weigh
                         loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
-                        self._backward(loss * n * self._to_mean(n_sum))
+                        self._backward(loss * n * self._to_mean(n_sum, self.accelerator.num_processes))
                     else:
                         self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
         if self.weighted and self.sharded:
             # FSDP2 accumulates a window's gradients inside its unsharded parameters, out of our reach until the
             # last backward's reduce-scatter writes the sharded .grad: scaled after it (see _to_mean).
             loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
-            self._to_mean(n_sum)
+            self._to_mean(n_sum, self.accelerator.num_processes)
         if flops is not None:
             self.meter.counted(flops)
         return loss_sum, n_sum
@@ -141,9 +150,9 @@ class Updater:
             return None
         return torch.nn.utils.get_total_norm(grads, foreach=True)
 
-    def _reduce_totals(self, loss_sum, n_sum):
-        """The window's loss sum and item count over every rank: the update's one all-reduce, before the last
-        backward (the preemption vote rides on it: no extra collective)."""
+    def _start_totals(self, loss_sum, n_sum):
+        """Start the update's one all-reduce: the window's loss sum and item count over every rank (the preemption
+        vote rides on it: no extra collective). Returns (totals, work); work is None on one process."""
         acc = self.accelerator
         totals = torch.stack(
             [
@@ -152,19 +161,29 @@ class Updater:
                 self.preemption.vote(),
             ]
         )
-        if acc.num_processes > 1:
-            totals = acc.reduce(totals, reduction="sum")
+        if acc.num_processes == 1:
+            return totals, None
+        return totals, torch.distributed.all_reduce(totals, async_op=True)
+
+    def _finish_totals(self, pending):
+        totals, work = pending
+        if work is not None:
+            work.wait()
             self.preemption.record(totals[2])
         return totals[0], totals[1]
 
-    def _to_mean(self, n_total):
-        """The factor that makes the window's summed-loss gradients the mean over all N items of the global batch,
-        once DDP (FSDP: on the DTensor shards) has averaged over ranks: world_size / N, applied to the gradients
-        there are (returned for the last micro-batch's loss). Without FSDP it is applied before the gradient is
-        communicated -- to the gradients accumulated so far, and to the last micro-batch's loss -- so that what a
-        compressing comm hook sees (fp16: cast before the division) is of mean size, not item-count times larger
-        (inf above fp16's 65504). clamp: a window with no items leaves the gradients at zero."""
-        scale = self.accelerator.num_processes / n_total.clamp(min=1)
+    def _reduce_totals(self, loss_sum, n_sum):
+        return self._finish_totals(self._start_totals(loss_sum, n_sum))
+
+    def _to_mean(self, n, world_size: int):
+        """Scale the window's summed-loss gradients so far by world_size / n, and return that factor for the last
+        micro-batch's loss. DDP: n is this rank's item count and world_size 1 (its own mean, before DDP
+        communicates; WeightedDDP weighs it by its share). FSDP: n is the global count N, after the DTensor
+        shards were averaged over ranks. Either way what a compressing comm hook sees (fp16: cast before the
+        division) is of mean size, not item-count times larger (inf above fp16's 65504). clamp: a window with no
+        items leaves the gradients at zero."""
+        n = torch.as_tensor(n, dtype=torch.float32, device=self.accelerator.device)
+        scale = world_size / n.clamp(min=1)
         grads = [q.grad for q in self.params if q.grad is not None]
         if grads:
             torch._foreach_mul_(grads, scale)
@@ -191,3 +210,66 @@ class Updater:
         scaler.step(self.inner_opt)
         scaler.update()
         return scaler.get_scale() >= scale  # the scale only drops when an inf/nan gradient skipped the step
+
+
+class WeightedDDP:
+    """The DDP comm hook that weighs each rank's gradient by its share of the global batch's items, then runs the
+    hook --ddp_comm_hook names (torch's allreduce_hook by default; fp16/bf16 compression, PowerSGD), which averages
+    over the ranks. Registered by us, not by Accelerate (which is told `comm_hook=NO`: DDP takes one hook only).
+
+    Inside `weighing(pending, n)` each rank's buckets hold the gradient of its own mean loss over its n items; the
+    hook multiplies them by n x world_size / N, N the global count from the all-reduce the Updater started before
+    the backward, so that DDP's average over ranks is the mean over all N items. It waits for that all-reduce at
+    the first bucket, after the backward so far. Outside `weighing` (a backward the Updater did not start) the
+    buckets pass through unweighted, as plain DDP."""
+
+    @classmethod
+    def register(cls, model, args) -> WeightedDDP | None:
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None  # no trainable parameters, nothing communicated: the Updater reduces the totals itself
+        self = cls(args.ddp_comm_hook, args.powersgd_rank)
+        model.register_comm_hook(state=self, hook=_weighted_hook)
+        return self
+
+    def __init__(self, name: str, powersgd_rank: int):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        hooks = {  # the hooks Accelerate's DistributedDataParallelKwargs maps the names to, and DDP's default
+            "none": default_hooks.allreduce_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook,
+            "power_sgd": powerSGD_hook.powerSGD_hook,
+            "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
+        }
+        self.inner = hooks[name]
+        power = "power_sgd" in name  # PowerSGD keeps its error feedback in its state; the others take the group
+        self.inner_state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=powersgd_rank) if power else None
+        self.pending, self.n, self.factor = None, None, None
+
+    @contextmanager
+    def weighing(self, pending, n):
+        self.pending, self.n, self.factor = pending, n, None
+        try:
+            yield
+        finally:
+            self.pending, self.n, self.factor = None, None, None
+
+    def weight(self):
+        """n x world_size / N for this backward, worked out at its first bucket; None where it is exactly 1 on a
+        CPU (equal counts: nothing to multiply; a CPU loses nothing to the host sync that tells)."""
+        if self.pending is not None:
+            totals, work = self.pending
+            work.wait()
+            n = torch.as_tensor(self.n, dtype=torch.float32, device=totals.device)
+            factor = n * torch.distributed.get_world_size() / totals[1].clamp(min=1)
+            self.factor = None if factor.device.type == "cpu" and factor.item() == 1.0 else factor
+            self.pending = None
+        return self.factor
+
+
+def _weighted_hook(state: WeightedDDP, bucket):
+    if state.n is not None:
+        factor = state.weight()
+        if factor is not None:
+            bucket.buffer().mul_(factor.to(bucket.buffer().dtype))
+    return state.inner(state.inner_state, bucket)

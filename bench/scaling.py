@@ -13,6 +13,9 @@ one thread per process:
                 recipe's data through a DataLoader + DistributedSampler, DDP defaults, AdamW, linear schedule,
                 clipping at 1.0 as the Trainer's default, a logged loss.item() every --log_every updates)
 
+The 1-process, 2-process, alone and hand-written runs are repeated at a second global batch (--also_global_batch,
+2048 by default: twice the compute per communicated byte).
+
 Throughput = samples per second from metrics.jsonl: (updates x global batch) / (elapsed_s difference) between
 consecutive log rows (every --log_every updates; start-up and the first updates come before the first row), the
 median over those intervals. Ratios: DDP / 1 proc (the goal is >= 1.8 on 2 cores), alone / 1 proc (the
@@ -31,6 +34,7 @@ for each --bucket_caps value (DDP's bucket_cap_mb; 25 is the default the Trainer
     python bench/scaling.py                       # ~2 minutes on an idle 2-core machine
     python bench/scaling.py --rounds 3 --json runs/scaling.json
     python bench/scaling.py --global_batch 512    # less compute per byte communicated: a lower ratio
+    python bench/scaling.py --also_global_batch 0 # only the --global_batch runs (by default also at 2048)
 
 Timings need an idle machine: the load average is printed before and after; another busy process on a 2-core
 machine takes the second core and the ratio with it.
@@ -292,6 +296,12 @@ def comm_probe(a) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--global_batch", type=int, default=1024, help="samples per update, split over the processes")
+    p.add_argument(
+        "--also_global_batch",
+        type=int,
+        default=2048,
+        help="the same 1- and 2-process Trainer and hand-written runs again at this global batch (no variants); 0: not",
+    )
     p.add_argument("--features", type=int, default=512)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--targets", type=int, default=512)
@@ -321,11 +331,15 @@ def main():
 
     load_before = harness.loadavg()
     t_start = time.perf_counter()
-    rounds, tput, ratio, ceiling = [], {}, None, None
+    rounds, rounds_b, tput, tput_b, ratio, ceiling = [], [], {}, {}, None, None
     if not a.probe_only:
         with tempfile.TemporaryDirectory(prefix="bench_scaling_") as tmp:
             rounds = [trainer_runs(a, tmp, r) for r in range(a.rounds)]
+            if a.also_global_batch:
+                b = argparse.Namespace(**{**vars(a), "global_batch": a.also_global_batch, "ddp_variants": []})
+                rounds_b = [trainer_runs(b, tmp, f"{r}_b") for r in range(a.rounds)]
         tput = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        tput_b = {k: statistics.median(r[k] for r in rounds_b) for k in rounds_b[0]} if a.also_global_batch else {}
     probe = {} if a.no_probe else comm_probe(a)
     load_after = harness.loadavg()
 
@@ -352,6 +366,17 @@ def main():
         print(f"  hand-written 2 procs / 1 proc = {hand2 / hand1:.3f}   (the Trainer's goal: the same)")
         print(f"  Trainer step / hand-written step, 2 procs = {hand2 / tput['2 procs DDP']:.3f}   (goal <= 1.02)")
         print(f"  Trainer step / hand-written step, 1 proc  = {hand1 / tput['1 proc']:.3f}")
+    if tput_b:
+        g = a.also_global_batch
+        print(f"\nAt global batch {g} (samples/s; median of {a.rounds} round(s)):")
+        for k, v in tput_b.items():
+            print(f"  {k:36s} {v:9.1f}   per round: {', '.join(f'{r[k]:.1f}' for r in rounds_b)}")
+        print(f"  2 procs DDP / 1 proc   = {tput_b['2 procs DDP'] / tput_b['1 proc']:.3f}   (goal >= 1.8)")
+        print(f"  2 procs alone / 1 proc = {tput_b['2 procs alone'] / tput_b['1 proc']:.3f}   (the ceiling)")
+        hand2, hand1 = tput_b["hand-written 2 procs DDP"], tput_b["hand-written 1 proc"]
+        print(f"  hand-written 2 procs / 1 proc = {hand2 / hand1:.3f}")
+        print(f"  Trainer step / hand-written step, 2 procs = {hand2 / tput_b['2 procs DDP']:.3f}   (goal <= 1.02)")
+        print(f"  Trainer step / hand-written step, 1 proc  = {hand1 / tput_b['1 proc']:.3f}")
     if probe:
         print("\nCommunication probe (hand-written DDP loop, gloo, 2 x 1 thread), median ms per update:")
         print("  bucket_cap_mb  buckets  compute(no_sync)    ddp  exposed comm  hook all_reduce  idle all_reduce")
@@ -378,6 +403,8 @@ def main():
             "args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
             "throughput": tput,
             "rounds": rounds,
+            "throughput_also_global_batch": tput_b,
+            "rounds_also_global_batch": rounds_b,
             "ratio_ddp_over_1proc": ratio,
             "ratio_alone_over_1proc": ceiling,
             "probe": {str(k): v for k, v in probe.items()},
