@@ -327,6 +327,8 @@ class Trainer:
                 "args": self.args.to_dict(),
                 "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
                 "topology": topology(self.accelerator),
+                # the DDP comm hook in place (update.WeightedDDP weighs, then runs it); None: no DDP model
+                "ddp_comm_hook": self.updater.ddp.name if self.updater.ddp is not None else None,
                 "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
                 # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
                 "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer, self.sharding_info),

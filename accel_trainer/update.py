@@ -225,10 +225,11 @@ class WeightedDDP:
 
     @classmethod
     def register(cls, model, args) -> WeightedDDP | None:
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        ddp = getattr(model, "_orig_mod", model)  # --torch_compile: Accelerate compiles the DDP-wrapped model
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             return None  # no trainable parameters, nothing communicated: the Updater reduces the totals itself
         self = cls(args.ddp_comm_hook, args.powersgd_rank)
-        model.register_comm_hook(state=self, hook=_weighted_hook)
+        ddp.register_comm_hook(state=self, hook=_weighted_hook)
         return self
 
     def __init__(self, name: str, powersgd_rank: int):
@@ -241,7 +242,7 @@ class WeightedDDP:
             "power_sgd": powerSGD_hook.powerSGD_hook,
             "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
         }
-        self.inner = hooks[name]
+        self.name, self.inner = name, hooks[name]
         power = "power_sgd" in name  # PowerSGD keeps its error feedback in its state; the others take the group
         self.inner_state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=powersgd_rank) if power else None
         self.pending, self.n, self.factor = None, None, None
