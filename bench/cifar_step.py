@@ -1,10 +1,10 @@
 """The CIFAR small preset's train step in bf16 autocast vs fp32, in images per second of this process's CPU time
 (which other processes on a shared machine disturb less than the wall clock) and of wall time. One JSON line.
 
-    python bench/cifar_step.py bf16 [STEPS] [THREADS]
+    python bench/cifar_step.py bf16 [STEPS] [THREADS] [WIDTHS]
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/cifar_step.py bf16   # as a CPU without bf16
 
-The net of `--preset small` (widths 16,64,128), batch 512 of random images, channels_last, forward + backward +
+The net of `--preset small` (its widths, or WIDTHS such as 16,64,128), batch 512 of random images, channels_last, forward + backward +
 SGD; STEPS (default 3) timed after one warm-up step. docs/cifar.md has the numbers.
 """
 
@@ -24,7 +24,8 @@ def main():
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     torch.manual_seed(0)
-    model = cifar.CifarNet((16, 64, 128)).to(memory_format=torch.channels_last)
+    widths = sys.argv[4] if len(sys.argv) > 4 else cifar.PRESETS["small"]["widths"]
+    model = cifar.CifarNet(tuple(int(w) for w in widths.split(","))).to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(512, 3, 32, 32).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (512,))
@@ -43,6 +44,7 @@ def main():
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     result = {
         "precision": precision,
+        "widths": widths,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "onednn_bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
