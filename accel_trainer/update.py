@@ -71,7 +71,7 @@ class Updater:
         self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
         self.grad_norm = None
         if self.max_grad_norm > 0:
-            self.grad_norm = self._clip()
+            self.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
         grad_norm = self._checked_norm()
         if self.nan_policy == "skip" and not (
             torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
@@ -120,16 +120,6 @@ class Updater:
         if flops is not None:
             self.meter.counted(flops)
         return loss_sum, n_sum
-
-    def _clip(self):
-        """Clip the gradients to --max_grad_norm; returns their norm before clipping (a tensor, no host sync)."""
-        if not self.plain_torch:  # FSDP: the norm of DTensor shards is Accelerate's to combine
-            return self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
-        # What Accelerate's clip_grad_norm_ does for these types (unscale under fp16, then torch's clip), without its
-        # per-call version check and DTensor grouping: ~0.1 ms per update on bench/overhead.py's MLP.
-        if self.accelerator.scaler is not None:
-            self.accelerator.scaler.unscale_(self.inner_opt)
-        return torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
 
     def _checked_norm(self):
         """The global gradient norm that --nan_policy checks with the loss: a finite loss can still give
