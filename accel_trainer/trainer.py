@@ -60,7 +60,7 @@ class Progress:
     best_step: int | None = None
 
 
-def default_optimizer(model, args: TrainingArguments):
+def default_optimizer(model, args: TrainingArguments, device: torch.device | None = None):
     # No weight decay on biases and normalisation weights (1-d tensors), as transformers does.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -70,7 +70,20 @@ def default_optimizer(model, args: TrainingArguments):
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
+        fused=fused_adamw_supported(decay + no_decay, device or next(model.parameters()).device),
     )
+
+
+def fused_adamw_supported(params: list, device: torch.device) -> bool:
+    """Fused AdamW (one kernel for all tensors) where torch has it for the training device and these dtypes, as
+    transformers' Trainer defaults to: on one CPU thread it steps bench/text.py's GPT-2 in 0.72 ms instead of the
+    per-tensor loop's 2.92 ms (torch picks that loop by default on a CPU, and foreach on a GPU). Decided by the
+    training device, not by where the parameters are now: under FSDP's low-memory loading they are on the meta
+    device on every rank but 0, and every rank must build the same optimizer."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    supported = torch.device(device).type in _get_fused_kernels_supported_devices()
+    return supported and bool(params) and all(p.is_floating_point() for p in params)
 
 
 def default_scheduler(optimizer, num_training_steps: int, args: TrainingArguments):
@@ -267,7 +280,11 @@ class Trainer:
         """((model, optimizer, scheduler) prepared by Accelerate, what sharding learned). Under FSDP
         (sharding.py): the wrap policy for this model first, then the check that it really is sharded."""
         r, args = self.recipe, self.args
-        optimizer = r.build_optimizer(model, self.ctx) if r.build_optimizer else default_optimizer(model, args)
+        optimizer = (
+            r.build_optimizer(model, self.ctx)
+            if r.build_optimizer
+            else default_optimizer(model, args, self.accelerator.device)
+        )
         scheduler = (
             r.build_scheduler(optimizer, self.ctx)
             if r.build_scheduler

@@ -117,3 +117,37 @@ def test_the_callers_arguments_are_not_changed_and_a_second_trainer_scales_from_
     assert resolved.targs.learning_rate == 0.01  # the resolved arguments keep the base value
     assert first.args.learning_rate == second.args.learning_rate == 0.01 * 16 / 4  # each scales from the base
     assert first.base_learning_rate == 0.01 and first.args is not resolved.targs
+
+
+def test_the_default_adamw_is_fused_where_torch_has_it_steps_like_the_loop_and_skips_fp16_overflows(tmp_path):
+    from accel_trainer.trainer import default_optimizer
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, weight_decay=0.1)
+    fused_model, loop_model = model(), model()
+    fused = default_optimizer(fused_model, args)
+    assert fused.defaults["fused"] is True  # the CPU has torch's fused AdamW kernel
+    loop = default_optimizer(loop_model, args)
+    for group in loop.param_groups:
+        group["fused"], group["foreach"] = False, False  # torch's per-tensor AdamW, a hand-written loop's default
+    x = torch.randn(32, 8)
+    for _ in range(5):
+        for m, opt in ((fused_model, fused), (loop_model, loop)):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(fused_model.state_dict(), loop_model.state_dict(), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(fused_model[0].weight, model()[0].weight)  # it did train
+
+    # fp16 loss scaling hands the fused kernel the scale and the overflow flag: an inf gradient changes nothing
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    before = {k: v.clone() for k, v in fused_model.state_dict().items()}
+    fused_model[0].weight.register_hook(lambda g: g * float("inf"))
+    scaler.scale(fused_model(x).square().mean()).backward()
+    scaler.step(fused)
+    scaler.update()
+    assert_same_weights(before, fused_model.state_dict(), rtol=0, atol=0)
+    assert scaler.get_scale() == 2.0**9
