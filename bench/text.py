@@ -21,6 +21,8 @@ on an idle machine, and it barely moves when other processes share the cores, wh
 
     python bench/text.py                      # ~2 minutes on a 2-core CPU
     python bench/text.py --rounds 3 --threads 2 --json runs/text.json
+
+Round r runs the contestants in turn starting with the (r mod 3)-th, so that none always runs first.
 """
 
 from __future__ import annotations
@@ -272,8 +274,10 @@ def main():
         inputs = make_inputs(work, a)
         inputs_json = json.dumps(inputs)
         results = {"plain": [], "accel_trainer": [], "hf_trainer": []}
+        kinds = list(results)
         for r in range(a.rounds):
-            for kind in results:
+            # Each round starts with the next contestant: no one always runs first (or right after another).
+            for kind in kinds[r % 3 :] + kinds[: r % 3]:
                 out = os.path.join(work, f"out_{kind}_{r}")
                 if kind == "accel_trainer":
                     results[kind].append(run_accel_trainer(a, inputs, work, out))
@@ -303,6 +307,13 @@ def main():
         cpu, cpu_base = v["tokens_per_cpu_s"], base["tokens_per_cpu_s"]
         cpu_cols = f"{cpu:12.0f} {cpu / cpu_base:8.3f}" if cpu and cpu_base else f"{'n/a':>12s} {'':8s}"
         print(f"  {k:14s} {v['tokens_per_s']:9.0f} {v['tokens_per_s'] / base['tokens_per_s']:8.3f}   {cpu_cols}")
+    # The ratio to the hand-written loop within each round (the contestants ran minutes apart, not hours), then
+    # the median over rounds: less moved by a slow round than the ratio of the medians.
+    for k in ("accel_trainer", "hf_trainer"):
+        per_round = [o["tokens_per_s"] / b["tokens_per_s"] for o, b in zip(results[k], results["plain"])]
+        print(
+            f"  {k} / plain per round: {', '.join(f'{x:.3f}' for x in per_round)}; median {statistics.median(per_round):.3f}"
+        )
     print(f"  load average at the end: {harness.loadavg()}")
     print(f"bench wall time {wall:.0f} s")
     harness.write_json(a.json, {"args": vars(a), "median": med, "rounds": results})
