@@ -19,11 +19,14 @@ ends after a device sync. From the same run it also prints:
 
   final weights   the trainer's vs the plain loop's, and the defaults' vs plain+'s, after the same number of
                   updates: on a CPU in fp32 they do the same arithmetic, so they must be bit-identical
-  peak memory     plain+ vs defaults, each in a fresh process (--_memory): on a GPU the peak of
+  peak memory     plain+ vs defaults, each in a fresh process (--_memory), with the MLP 4096 wide (17 M
+                  parameters, ~270 MB with gradients and AdamW state) for 30 updates: on a GPU the peak of
                   torch.accelerator.max_memory_allocated; on a CPU, which has no allocator statistics, the peak
-                  resident memory (VmHWM, reset through /proc/self/clear_refs) above the resident memory before
-                  the model is built, in a second run after a 20-update first one (so that neither counts its
-                  lazy imports, e.g. torch._dynamo's ~80 MB at the first optimizer). Goal: defaults <= 1.05x.
+                  resident memory (sampled every 0.5 ms) above the resident memory before the model is built,
+                  in a second run after a first one of 5 updates on an 8-wide MLP (so that
+                  neither counts its lazy imports, e.g. torch._dynamo's ~80 MB at the first optimizer, and the
+                  second cannot reuse the first's freed memory), both with glibc's own malloc thresholds
+                  (ACCEL_TRAINER_CPU_MALLOC=0). Goal: defaults <= 1.05x.
 
     python bench/overhead.py                # ~2 minutes on a 2-core CPU
     python bench/overhead.py --cpu          # the CPU on a GPU machine
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -51,13 +55,16 @@ from harness import hand_written_loop
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from accel_trainer import Recipe, Trainer, TrainingArguments
+from accel_trainer import Recipe, Trainer, TrainingArguments, cpu_allocator
 from accel_trainer.precision import training_device
 
 BATCH, SAMPLES, LR = 64, 64 * 64, 1e-3  # samples per step, samples per epoch, AdamW learning rate
 SEED = TrainingArguments.seed  # the Trainer's default --seed: its DataLoader shuffles with a generator seeded by it
 CLIP, EVERY = 1.0, 10  # a user's defaults: clipping at 1.0, a log row every 10 updates
 CPU = False  # --cpu
+WIDTH = 512  # hidden width; the memory runs use MEMORY_WIDTH
+MEMORY_WIDTH, MEMORY_STEPS = 4096, 30  # 17 M parameters: ~270 MB of weights, gradients and AdamW state, so that
+# the comparison is of what the loops keep, not of malloc's few-MB noise (5-11 MB between runs at width 512)
 
 
 def sync(device):
@@ -78,7 +85,8 @@ def per_step(t0: tuple[float, float], steps: int) -> tuple[float, float]:
 
 def make_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    h = WIDTH
+    return nn.Sequential(nn.Linear(256, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10))
 
 
 def make_data():
@@ -224,7 +232,10 @@ def identical(a: nn.Module, b: nn.Module) -> str:
 def peak_memory_mb(name: str, steps: int) -> float:
     """The peak memory of one run of `name` in a fresh process (see the module docstring), in MB."""
     cmd = [sys.executable, os.path.abspath(__file__), "--_memory", name, "--steps", str(steps)]
-    out = subprocess.run(cmd + (["--cpu"] if CPU else []), check=True, capture_output=True, text=True).stdout
+    # glibc's own thresholds in both (the Trainer's keep freed memory in the process, so that a second run would
+    # reuse the first one's instead of showing its own peak)
+    env = dict(os.environ, ACCEL_TRAINER_CPU_MALLOC="0")
+    out = subprocess.run(cmd + (["--cpu"] if CPU else []), check=True, capture_output=True, text=True, env=env).stdout
     return float(out.split("PEAK_MB ")[-1])
 
 
@@ -232,24 +243,40 @@ def _measure_memory(name: str, steps: int):
     import accelerate  # noqa: F401  (both processes import the same packages before the baseline)
     import tqdm  # noqa: F401
 
+    global WIDTH
     device = training_device(CPU)
     if device.type != "cpu":
+        WIDTH = MEMORY_WIDTH
         torch.accelerator.reset_peak_memory_stats()
         run(name, steps)
         print(f"PEAK_MB {torch.accelerator.max_memory_allocated() / 2**20:.3f}")
         return
 
-    def status(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024  # kB -> MB
-
-    run(name, 20)  # first-call costs (lazy imports: torch._dynamo at the optimizer, ~80 MB) are not the loop's
+    WIDTH = 8  # a tiny model for the first run: its freed blocks are not there for the measured run to reuse
+    run(name, 5)  # first-call costs (lazy imports: torch._dynamo at the optimizer, ~80 MB) are not the loop's
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM (the peak resident memory) to the current resident memory
-    before = status("VmRSS")
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap memory goes back to the OS: not reused unseen
+    # The peak resident memory, sampled every 0.5 ms by a thread. Not the kernel's VmHWM: it is updated only at
+    # some unmaps, and missed the Trainer's peak by ~190 MB here (226 vs 436 MB sampled, the plain loop's 435).
+    page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+    peak, done = [0.0], threading.Event()
+
+    def sample():
+        with open("/proc/self/statm") as f:
+            while not done.is_set():
+                f.seek(0)
+                peak[0] = max(peak[0], int(f.read().split()[1]) * page_mb)
+                time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    time.sleep(0.01)
+    before = peak[0]
+    WIDTH = MEMORY_WIDTH
     run(name, steps)
-    print(f"PEAK_MB {status('VmHWM') - before:.3f}")
+    done.set()
+    sampler.join()
+    print(f"PEAK_MB {peak[0] - before:.3f}")
 
 
 def main():
@@ -263,6 +290,10 @@ def main():
     global CPU
     CPU = a.cpu
     torch.set_num_threads(a.threads)
+    # The Trainer fixes glibc's malloc thresholds for a CPU run (accel_trainer/cpu_allocator.py), and they are the
+    # process's: set here, before any row, every row runs under the same allocator settings, so that the ratios
+    # are of loop code (bench/text.py, one process per contestant, shows what the settings themselves are worth).
+    cpu_allocator.keep_freed_memory(training_device(CPU).type)
     if a._memory:
         _measure_memory(a._memory, a.steps)
         return
@@ -275,7 +306,7 @@ def main():
             times[name].append((t[0] * 1e3, t[1] * 1e3))
     wall = {name: statistics.median(w for w, _ in v) for name, v in times.items()}
     cpu = {name: statistics.median(c for _, c in v) for name, v in times.items()}
-    memory = {name: peak_memory_mb(name, a.steps) for name in ("plain+", "defaults")}
+    memory = {name: peak_memory_mb(name, MEMORY_STEPS) for name in ("plain+", "defaults")}
     device = training_device(CPU)
     print(
         f"torch {torch.__version__}, {device.type}, {a.threads} thread(s), {a.rounds} rounds x {a.steps} steps, "
