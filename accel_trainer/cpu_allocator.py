@@ -41,9 +41,11 @@ def keep_freed_memory(device_type: str) -> dict:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int  # values are C ints
     ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    _done = {"tuned": ok, "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
-    if not ok:
-        _done = {"tuned": False, "why": "mallopt refused the thresholds"}
+    _done = (
+        {"tuned": True, "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
+        if ok
+        else {"tuned": False, "why": "mallopt refused the thresholds"}
+    )
     return _done
 
 
