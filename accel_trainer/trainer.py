@@ -83,7 +83,7 @@ def fused_adamw_supported(params: list, device: torch.device) -> bool:
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     supported = torch.device(device).type in _get_fused_kernels_supported_devices()
-    return supported and bool(params) and all(p.is_floating_point() for p in params)
+    return supported and all(p.is_floating_point() for p in params)  # not complex ones
 
 
 def default_scheduler(optimizer, num_training_steps: int, args: TrainingArguments):

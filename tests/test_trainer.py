@@ -130,6 +130,11 @@ def test_the_default_adamw_is_fused_where_torch_has_it_steps_like_the_loop_and_s
     fused_model, loop_model = model(), model()
     fused = default_optimizer(fused_model, args)
     assert fused.defaults["fused"] is True  # the CPU has torch's fused AdamW kernel
+    # Decided by the training device, not by where the parameters are: under FSDP's low-memory loading they are on
+    # the meta device on ranks > 0, and every rank must build the same optimizer.
+    with torch.device("meta"):
+        on_meta = model()
+    assert default_optimizer(on_meta, args, torch.device("cpu")).defaults["fused"] is True
     loop = default_optimizer(loop_model, args)
     for group in loop.param_groups:
         group["fused"], group["foreach"] = False, False  # torch's per-tensor AdamW, a hand-written loop's default
