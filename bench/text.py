@@ -277,7 +277,7 @@ def main():
         kinds = list(results)
         for r in range(a.rounds):
             # Each round starts with the next contestant: no one always runs first (or right after another).
-            for kind in kinds[r % 3 :] + kinds[: r % 3]:
+            for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
                 out = os.path.join(work, f"out_{kind}_{r}")
                 if kind == "accel_trainer":
                     results[kind].append(run_accel_trainer(a, inputs, work, out))
