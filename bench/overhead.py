@@ -256,8 +256,8 @@ def _measure_memory(name: str, steps: int):
     run(name, 5)  # first-call costs (lazy imports: torch._dynamo at the optimizer, ~80 MB) are not the loop's
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap memory goes back to the OS: not reused unseen
-    # The peak resident memory, sampled every 0.5 ms by a thread. Not the kernel's VmHWM: it is updated only at
-    # some unmaps, and missed the Trainer's peak by ~190 MB here (226 vs 436 MB sampled, the plain loop's 435).
+    # The peak resident memory, sampled every 0.5 ms by a thread. Not VmHWM after clear_refs: in this child it gave
+    # the Trainer's row 226-241 MB where the sampler saw 436 (the plain loop's: 435); why, is not known.
     page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
     peak, done = [0.0], threading.Event()
 
