@@ -64,6 +64,9 @@ def test_a_cpu_run_keeps_freed_memory_and_the_user_can_say_no(tmp_path):
 def test_a_gpu_run_or_the_users_own_allocator_leaves_malloc_alone(monkeypatch):
     from accel_trainer import cpu_allocator  # answers before any mallopt: this process's malloc is not changed
 
+    # As in a fresh process: an earlier CPU Trainer in this pytest process has tuned it already, and the settings
+    # are then the process's for every later run (also a GPU one), which is not what this checks.
+    monkeypatch.setattr(cpu_allocator, "_done", None)
     for var in [k for k in os.environ if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES", "LD_PRELOAD"]:
         monkeypatch.delenv(var, raising=False)
     assert cpu_allocator.keep_freed_memory("cuda") == {"tuned": False, "why": "training on cuda"}
