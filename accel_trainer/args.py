@@ -1,16 +1,20 @@
 """Run arguments: one dataclass, named like `transformers.TrainingArguments` where the concept is the same.
 
-Parsing is `transformers.HfArgumentParser` (flags, `--help` with defaults, a YAML/JSON file of arguments).
-A recipe adds its own fields in its own dataclass; both are parsed together.
+Parsing is argparse, with one flag per dataclass field built the way `transformers.HfArgumentParser` builds them
+(same flags and types; `--help` with defaults; a YAML/JSON file of arguments). A recipe adds its own fields in its
+own dataclass; both are parsed together.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
 import sys
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+import types
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple
 
 from .world import launched_world_size
@@ -20,6 +24,9 @@ COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
 FSDP_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 LR_SCALING = ("none", "linear", "sqrt")
+# Scheduler names every supported transformers version has (tests/test_args_parser.py checks them against
+# transformers.SchedulerType), checked without importing transformers; other names are checked against it.
+COMMON_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
 
 
 class ArgumentError(ValueError):
@@ -236,11 +243,12 @@ class TrainingArguments:
             bad("fsdp_reduce_dtype", f"{self.fsdp_reduce_dtype!r} is not one of {', '.join(FSDP_REDUCE_DTYPES)}.")
         if self.nan_policy not in NAN_POLICIES:
             bad("nan_policy", f"{self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}.")
-        from transformers import SchedulerType
+        if self.lr_scheduler_type not in COMMON_SCHEDULERS:
+            from transformers import SchedulerType
 
-        names = [s.value for s in SchedulerType]
-        if self.lr_scheduler_type not in names:
-            bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not one of {', '.join(names)}.")
+            names = [s.value for s in SchedulerType]
+            if self.lr_scheduler_type not in names:
+                bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not one of {', '.join(names)}.")
         for name in (
             "per_device_train_batch_size",
             "per_device_eval_batch_size",
@@ -351,6 +359,75 @@ def _read_args_file(path: str) -> dict[str, Any]:
     return data
 
 
+def boolean(text: str) -> bool:
+    if text.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if text.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true/false, yes/no, 1/0).")
+
+
+def _choice(choices):
+    by_text = {str(c): c for c in choices}
+
+    def choice(text):
+        return by_text.get(text, text)  # argparse then checks membership in `choices`
+
+    return choice
+
+
+def _add_field(parser: argparse.ArgumentParser, f: Field, hint) -> None:
+    """One dataclass field as flags, as transformers.HfArgumentParser adds it: --name and --name-with-hyphens;
+    Optional[X] parses as X and a union with str (report_to) as str; bool takes an optional true/false and a
+    field that defaults to True also gets --no_name; Literal and Enum give choices; list[X] takes one or more.
+    Our own (~40 lines) because `import transformers` alone costs ~0.7 s of every run's start-up
+    (bench/startup.py), more than everything else we import over torch."""
+    kwargs = {k: v for k, v in f.metadata.items() if k != "aliases"}
+    aliases = f.metadata.get("aliases", [])
+    names = [f"--{f.name}", *([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])]
+    names += [aliases] if isinstance(aliases, str) else list(aliases)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        if str not in members and len(members) != 1:
+            raise TypeError(f"Field {f.name}: a union parses only as Optional[X] or with str, got {hint}.")
+        hint = str if str in members else members[0]
+    if f.default is not MISSING:
+        kwargs["default"] = f.default
+    elif f.default_factory is not MISSING:
+        kwargs["default"] = f.default_factory()
+    else:
+        kwargs["required"] = True
+    origin = typing.get_origin(hint) or hint
+    if origin is typing.Literal or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        kwargs["choices"] = typing.get_args(hint) if origin is typing.Literal else [e.value for e in hint]
+        kwargs["type"] = _choice(kwargs["choices"])
+    elif hint is bool:
+        kwargs.update(type=boolean, nargs="?", const=True)  # --flag, --flag true, --flag false
+        kwargs.setdefault("default", False)
+        kwargs.pop("required", None)
+    elif isinstance(origin, type) and issubclass(origin, list):
+        kwargs.update(type=typing.get_args(hint)[0], nargs="+")
+    else:
+        kwargs["type"] = hint
+    parser.add_argument(*names, **kwargs)
+    if hint is bool and f.default is True:  # after --name: the first action sets the default
+        no = [f"--no_{f.name}", *([f"--no-{f.name.replace('_', '-')}"] if "_" in f.name else [])]
+        parser.add_argument(
+            *no, action="store_false", dest=f.name, default=argparse.SUPPRESS, help=f"Sets --{f.name} to False."
+        )
+
+
+def _build_parser(classes: list[type]) -> argparse.ArgumentParser:
+    # --learning_rat must be an error, not a prefix of --learning_rate: allow_abbrev=False.
+    parser = argparse.ArgumentParser(allow_abbrev=False, formatter_class=_DefaultsHelpFormatter)
+    for cls in classes:
+        hints = typing.get_type_hints(cls)  # resolves `from __future__ import annotations` strings
+        for f in fields(cls):
+            if f.init:
+                _add_field(parser, f, hints[f.name])
+    return parser
+
+
 def parse_args(
     recipe_args_cls: type | None = None,
     argv: list[str] | None = None,
@@ -365,13 +442,9 @@ def parse_args(
     `defaults` (a recipe's own choices, e.g. its learning rate) replace our defaults and are overridden by both.
     A bad flag or value exits with status 2 and a message that names it (argparse's convention).
     """
-    from transformers import HfArgumentParser
-
     argv = list(sys.argv[1:] if argv is None else argv)
     classes = [TrainingArguments] + ([recipe_args_cls] if recipe_args_cls is not None else [])
-    parser = HfArgumentParser(
-        classes, allow_abbrev=False, formatter_class=_DefaultsHelpFormatter
-    )  # --learning_rat must be an error, not a prefix
+    parser = _build_parser(classes)
     for action in parser._actions:
         if not action.help:  # argparse prints no default for a field without help text: name its type
             action.help = getattr(action.type, "__name__", "value") if action.type else "flag"
@@ -389,7 +462,8 @@ def parse_args(
             raise ArgumentError(f"unknown argument(s) {', '.join(unknown)} in the arguments file or recipe defaults.")
         parser.set_defaults(**preset)
         # argparse itself exits 2 with "unrecognized arguments: --x" for an unknown flag.
-        parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
+        values = vars(parser.parse_args(argv))
+        parsed = [cls(**{f.name: values[f.name] for f in fields(cls) if f.init}) for cls in classes]
     except (ArgumentError, ValueError) as e:
         parser.error(str(e))
     result = (parsed[0], parsed[1] if recipe_args_cls is not None else None)

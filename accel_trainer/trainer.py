@@ -16,6 +16,7 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -86,10 +87,31 @@ def fused_adamw_supported(params: list, device: torch.device) -> bool:
     return supported and all(p.is_floating_point() for p in params)  # not complex ones
 
 
+def _linear_with_warmup(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if step < num_warmup_steps:
+        return step / max(1, num_warmup_steps)
+    return max(0.0, (num_training_steps - step) / max(1, num_training_steps - num_warmup_steps))
+
+
+def _constant(_step: int) -> float:
+    return 1.0
+
+
 def default_scheduler(optimizer, num_training_steps: int, args: TrainingArguments):
+    """--lr_scheduler_type with warm-up, as `transformers.get_scheduler` builds it. The default ("linear") and
+    "constant" are built here with the same formulas and the same LambdaLR (a partial, so the state_dict is the
+    same and a checkpoint of either loads into the other; tests/test_args_parser.py compares them step by step),
+    because `import transformers` costs ~0.7 s of start-up (bench/startup.py). Other names: transformers."""
+    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * num_training_steps)
+    if args.lr_scheduler_type == "linear":
+        lr_lambda = functools.partial(
+            _linear_with_warmup, num_warmup_steps=warmup, num_training_steps=num_training_steps
+        )
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    if args.lr_scheduler_type == "constant":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
     from transformers import get_scheduler
 
-    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * num_training_steps)
     return get_scheduler(
         args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=num_training_steps
     )

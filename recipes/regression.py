@@ -155,12 +155,12 @@ def build_optimizer(model, ctx):
 
 
 def build_scheduler(optimizer, ctx):
-    # ctx.num_training_steps: the optimizer updates of the whole run, known once the data is built.
-    from transformers import get_scheduler
+    # The Trainer's own default (--lr_scheduler_type, --warmup_steps/ratio), called here to show where a recipe builds
+    # its own schedule (e.g. torch.optim.lr_scheduler.OneCycleLR). ctx.num_training_steps: the optimizer updates of
+    # the whole run, known once the data is built.
+    from accel_trainer.trainer import default_scheduler
 
-    t = ctx.targs
-    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * ctx.num_training_steps)
-    return get_scheduler(t.lr_scheduler_type, optimizer, warmup, ctx.num_training_steps)
+    return default_scheduler(optimizer, ctx.num_training_steps, ctx.targs)
 
 
 def on_evaluate_end(trainer, metrics, final) -> dict | None:
