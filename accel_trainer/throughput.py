@@ -20,6 +20,7 @@ The table is looked up by the exact model name: a GPU it does not list gives no 
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from contextlib import contextmanager
@@ -76,12 +77,25 @@ def peak_memory_mb(device) -> float:
     return _peak_rss_mb()
 
 
+_proc_fds: dict = {}  # (pid, name) -> an fd on /proc/self/<name>, opened once per process (see _proc)
+
+
+def _proc(name: str, flags: int) -> int:
+    # Kept open: opening /proc/self/status and clear_refs on every log row cost ~150 us a row (bench/overhead.py),
+    # a read or write on an open fd a few. Keyed by pid: a forked child's "self" is not its parent's.
+    key = (os.getpid(), name)
+    if key not in _proc_fds:
+        _proc_fds[key] = os.open(f"/proc/self/{name}", flags | os.O_CLOEXEC)
+    return _proc_fds[key]
+
+
 def _peak_rss_mb() -> float:
     # VmHWM: the very value that reset_peak_memory resets; ru_maxrss (a lifetime peak) where /proc is missing.
     try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
-    except (OSError, StopIteration, ValueError):
+        status = os.pread(_proc("status", os.O_RDONLY), 16384, 0)
+        start = status.index(b"VmHWM:") + len(b"VmHWM:")
+        return int(status[start : status.index(b"kB", start)]) / 1024  # kB
+    except (OSError, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -93,8 +107,7 @@ def reset_peak_memory(device):
         stats.reset_peak_memory_stats(device)
         return
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        os.write(_proc("clear_refs", os.O_WRONLY), b"5")
     except OSError:
         pass
 
@@ -160,27 +173,27 @@ class Meter:
             if self.flops_per_update and self.peak_tflops
             else float("nan")
         )
-        local = torch.tensor(
-            [self.samples, items, self.wait_s / elapsed, elapsed / max(self.updates, 1), peak_memory_mb(acc.device),
-             mfu],
-            dtype=torch.float64, device=acc.device,
-        )  # fmt: skip
-        ranks = acc.gather(local[None]) if acc.num_processes > 1 else local[None]
-        ranks = ranks.cpu()
+        local = [self.samples, items, self.wait_s / elapsed, elapsed / max(self.updates, 1), peak_memory_mb(acc.device),
+                 mfu]  # fmt: skip
+        if acc.num_processes > 1:
+            ranks = acc.gather(torch.tensor([local], dtype=torch.float64, device=acc.device)).cpu().tolist()
+        else:  # no tensors to build on one process (~40 us a row; bench/overhead.py)
+            ranks = [local]
+        columns = list(zip(*ranks))
         # The ranks' windows differ a little (each times its own); the job goes at its slowest rank's pace, so
         # rates are over the slowest rank's time: samples_per_second x step_time_s = the global batch.
-        slowest = float(ranks[:, 3].max())  # seconds per update
+        slowest = max(columns[3])  # seconds per update
         updates = max(self.updates, 1)
         fields = {
-            "samples_per_second": float(ranks[:, 0].sum()) / (slowest * updates),
+            "samples_per_second": sum(columns[0]) / (slowest * updates),
             # the Trainer all-reduces each update's item count whenever there are several processes: every rank
             # holds the global count
-            "items_per_second": float(ranks[0, 1]) / (slowest * updates),
+            "items_per_second": columns[1][0] / (slowest * updates),
             "step_time_s": slowest,
-            "data_wait_fraction": float(ranks[:, 2].max()),
-            "peak_memory_mb": float(ranks[:, 4].max()),
+            "data_wait_fraction": max(columns[2]),
+            "peak_memory_mb": max(columns[4]),
         }
         if self.flops_per_update and self.peak_tflops:
-            fields["mfu"] = float(ranks[:, 5].mean())
+            fields["mfu"] = sum(columns[5]) / len(columns[5])
         self._reset(now)
         return fields

@@ -466,12 +466,25 @@ class Trainer:
         """One metrics.jsonl row for the updates since the last log (the only host sync of the loop)."""
         if not self._log_window:
             return None
-        losses = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v, _, _ in self._log_window]).float().cpu()
-        finite = torch.isfinite(losses)
-        if self.args.nan_policy == "stop":
-            self._stop_if_not_finite(losses, finite)
+        window = self._log_window
+        # --nan_policy stop checks the updates' gradient norms with their losses.
+        checked = [i for i, (_, g, _) in enumerate(window) if g is not None] if self.args.nan_policy == "stop" else []
+        # One stack, one copy to the host and one finiteness test for the whole window (each tensor op is a few us
+        # per row; bench/overhead.py's log rows).
+        values = [torch.as_tensor(v, dtype=torch.float32) for v, _, _ in window]
+        values += [torch.as_tensor(window[i][1], dtype=torch.float32).reshape(()) for i in checked]
+        values = torch.stack(values).cpu()
+        losses = values[: len(window)]
+        all_finite = bool(torch.isfinite(values).all())
+        if not all_finite and self.args.nan_policy == "stop":
+            self._stop_if_not_finite(losses, dict(zip(checked, values[len(window) :].tolist())))
+        if all_finite:
+            loss = losses.mean().item()
+        else:  # --nan_policy skip: the mean over the finite ones
+            finite = torch.isfinite(losses)
+            loss = losses[finite].mean().item() if finite.any() else math.nan
         metrics = {
-            "loss": losses[finite].mean().item() if finite.any() else float("nan"),
+            "loss": loss,
             "learning_rate": self.scheduler.get_last_lr()[0],
         }
         if self.updater.grad_norm is not None:
@@ -486,27 +499,19 @@ class Trainer:
             progress_bar.set_postfix(loss=f"{metrics['loss']:.4g}", samples_s=f"{metrics['samples_per_second']:.4g}")
         return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress_bar)
 
-    def _stop_if_not_finite(self, losses, finite):
-        """--nan_policy stop: the first update of the log window whose loss, or whose gradient norm (a finite loss
-        can have NaN/inf gradients, which the step turns into NaN weights), is not finite stops the run."""
-        norms = [(i, g) for i, (_, g, _) in enumerate(self._log_window) if g is not None]
-        norm_ok = torch.ones_like(finite)
-        if norms:
-            values = torch.stack([torch.as_tensor(g, dtype=torch.float32).reshape(()) for _, g in norms]).cpu()
-            norm_ok[[i for i, _ in norms]] = torch.isfinite(values)
-        if finite.all() and norm_ok.all():
-            return
-        first = int((~(finite & norm_ok)).nonzero()[0])
-        step = self._log_window[first][2]
-        what = (
-            f"Loss is {losses[first].item()}"
-            if not finite[first]
-            else f"The gradient norm is {float(self._log_window[first][1])} (loss {losses[first].item():.4g})"
-        )
-        raise NonFiniteLossError(
-            f"{what} at step {step}; the run stops (no checkpoint is written over the last good one). Lower the "
-            "learning rate, check the data, or pass --nan_policy skip."
-        )
+    def _stop_if_not_finite(self, losses, norms: dict):
+        """--nan_policy stop: the first update of the log window whose loss, or whose gradient norm (`norms`: index in
+        the window -> norm; a finite loss can have NaN/inf gradients, which the step turns into NaN weights), is not
+        finite stops the run."""
+        for first, loss in enumerate(losses.tolist()):
+            norm = norms.get(first, 0.0)
+            if math.isfinite(loss) and math.isfinite(norm):
+                continue
+            what = f"Loss is {loss}" if not math.isfinite(loss) else f"The gradient norm is {norm} (loss {loss:.4g})"
+            raise NonFiniteLossError(
+                f"{what} at step {self._log_window[first][2]}; the run stops (no checkpoint is written over the last "
+                "good one). Lower the learning rate, check the data, or pass --nan_policy skip."
+            )
 
     def _epoch_float(self) -> float:
         if self.streaming:  # the stream's length is unknown: whole epochs of this rank only

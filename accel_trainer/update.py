@@ -66,12 +66,11 @@ class Updater:
         self.grad_norm = None
 
     def __call__(self, window: list, schedule: bool = True) -> Result:
-        loss_sum, n_sum = self._forward_backward(window)
-        loss_mean = (loss_sum / n_sum).detach()
+        loss_mean, n_sum = self._forward_backward(window)
         self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
         self.grad_norm = None
         if self.max_grad_norm > 0:
-            self.grad_norm = self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
+            self.grad_norm = self._clip()
         grad_norm = self._checked_norm()
         if self.nan_policy == "skip" and not (
             torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
@@ -88,21 +87,24 @@ class Updater:
         return Result(loss_mean, grad_norm, stepped)
 
     def _forward_backward(self, window: list):
-        """Every micro-batch's forward and backward; returns the window's loss sum and item count over every rank
-        (this rank's alone when nothing is weighted)."""
+        """Every micro-batch's forward and backward; returns the window's mean loss (detached) and item count over
+        every rank (this rank's alone when nothing is weighted)."""
         acc = self.accelerator
-        loss_sum, n_sum = 0.0, 0
+        loss_sum, n_sum = None, 0
         flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
         with flops or nullcontext():
             for i, batch in enumerate(window):
                 last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
                 with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
                     loss, n = self.loss(self.model, batch)
-                    loss_sum = loss_sum + loss.detach() * n
-                    n_sum = n_sum + n
-                    if not self.weighted:
+                    if not self.weighted:  # one micro-batch on one process: its mean is the update's, as it is
                         self._backward(loss)
-                    elif last and self.ddp is not None:  # this rank's mean; the comm hook weighs it by its share
+                        loss_sum, n_sum = loss.detach(), n  # no kernels to weigh it (~10 us per update)
+                        continue
+                    weighted = loss.detach() * n
+                    loss_sum = weighted if loss_sum is None else loss_sum + weighted  # no `0.0 +` kernel
+                    n_sum = n_sum + n
+                    if last and self.ddp is not None:  # this rank's mean; the comm hook weighs it by its share
                         pending = self._start_totals(loss_sum, n_sum)
                         with self.ddp.weighing(pending, n_sum):
                             self._backward(loss * n * self._to_mean(n_sum, 1))
@@ -119,7 +121,17 @@ class Updater:
             self._to_mean(n_sum, self.accelerator.num_processes)
         if flops is not None:
             self.meter.counted(flops)
-        return loss_sum, n_sum
+        return (loss_sum / n_sum).detach() if self.weighted else loss_sum, n_sum
+
+    def _clip(self):
+        """Clip the gradients to --max_grad_norm; returns the norm before clipping (a tensor, no host sync)."""
+        if not self.plain_torch:  # FSDP's DTensor-aware clipping is Accelerate's
+            return self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
+        # What Accelerate does on these types (unscale, then torch's clip), called directly: its clip_grad_norm_
+        # parses torch's version string on every call (~20 us per update; bench/overhead.py).
+        if self.accelerator.scaler is not None:
+            self.accelerator.scaler.unscale_(self.inner_opt)
+        return torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
 
     def _checked_norm(self):
         """The global gradient norm that --nan_policy checks with the loss: a finite loss can still give

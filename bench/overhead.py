@@ -12,7 +12,8 @@
 draws its bar as it would for a user (the Trainer draws none when stderr is not a terminal).
 
 Model: MLP 256-512-512-10, batch 64, AdamW, linear LR decay, fp32, one CPU thread. The five are run interleaved
-for --rounds rounds of --steps steps each; we report the median ms/step and the ratios. All run on the device
+for --rounds rounds of --steps steps each (each round starting with the next row); we report the median ms/step,
+the ratios of the medians, and the median over rounds of each round's own ratio (paired). All run on the device
 Accelerate picks (a GPU where there is one; --cpu for the CPU), with the same data path: a DataLoader over CPU
 tensors, shuffled by a generator seeded with the Trainer's --seed, each batch moved to the device. A run's time
 ends after a device sync. From the same run it also prints:
@@ -300,8 +301,10 @@ def main():
     for name in LOOPS:  # warm-up: imports, allocator, first-call costs
         run(name, 50)
     times, models = {name: [] for name in LOOPS}, {}  # name -> [(wall, CPU) ms per step per round]
-    for _ in range(a.rounds):
-        for name in LOOPS:
+    names = list(LOOPS)
+    for r in range(a.rounds):
+        # Each round starts with the next row: no row always runs first, or right after the same other row.
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t, models[name] = run(name, a.steps)
             times[name].append((t[0] * 1e3, t[1] * 1e3))
     wall = {name: statistics.median(w for w, _ in v) for name, v in times.items()}
@@ -326,6 +329,14 @@ def main():
             f"{med['accel'] / med['plain']:.3f}; defaults / plain+ = {med['defaults'] / med['plain+']:.3f} "
             "(goal <= 1.01)"
         )
+    # The ratio within each round (the rows ran seconds apart), then its median over rounds: less moved by one slow
+    # round than the ratio of the medians above.
+    for name, base in (("trainer", "plain"), ("defaults", "plain+")):
+        per_round = [t[1] / b[1] for t, b in zip(times[name], times[base])]
+        print(
+            f"CPU : {name} / {base} per round: {', '.join(f'{x:.3f}' for x in per_round)}; "
+            f"median {statistics.median(per_round):.3f}"
+        )
     weights = {
         "trainer vs plain": identical(models["trainer"], models["plain"]),
         "defaults vs plain+": identical(models["defaults"], models["plain+"]),
@@ -344,6 +355,10 @@ def main():
         "cpu_ms_per_step": cpu,
         "final_weights": weights,
         "peak_memory_mb": memory,
+        "paired_cpu_ratio": {
+            f"{n} / {b}": statistics.median(t[1] / u[1] for t, u in zip(times[n], times[b]))
+            for n, b in (("trainer", "plain"), ("defaults", "plain+"))
+        },
     }
     print("RESULT " + json.dumps(result), flush=True)
 
