@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 from helpers import RECIPES, assert_same_weights
 from safetensors.torch import load_file, load_model
@@ -105,6 +106,24 @@ def test_fp16_overflow_skips_are_counted_and_logged(tmp_path):
     assert t.progress.skipped_steps == 1
     event = t.log()
     assert event["skipped_steps"] == 1 and event["loss_scale"] == 2.0**9  # halved once by the overflow
+
+
+def test_fp16_loss_scaling_clips_the_unscaled_gradients(tmp_path):
+    # Clipping must see the true gradients (unscaled first), or a scale of 2**10 would make every clipped update
+    # ~1000x too small. With a GradScaler and no overflow the run must train as the one without a scaler.
+    runs = {}
+    for scaled in (False, True):
+        t = make(tmp_path, name=f"scaled{scaled}", max_steps=4, max_grad_norm=0.05, lr_scheduler_type="constant")
+        if scaled:
+            t.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+        norms = []
+        for _ in range(4):
+            t.train_step()
+            norms.append(float(t.updater.grad_norm))
+        assert max(norms) > 0.05  # clipping did something
+        runs[scaled] = (norms, {k: v.clone() for k, v in t.unwrapped_model.state_dict().items()})
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-5)
+    assert_same_weights(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-7)
 
 
 def test_the_callers_arguments_are_not_changed_and_a_second_trainer_scales_from_the_base(tmp_path):
