@@ -471,8 +471,9 @@ class Trainer:
         checked = [i for i, (_, g, _) in enumerate(window) if g is not None] if self.args.nan_policy == "stop" else []
         # One stack, one copy to the host and one finiteness test for the whole window (each tensor op is a few us
         # per row; bench/overhead.py's log rows).
-        values = [torch.as_tensor(v, dtype=torch.float32) for v, _, _ in window]
-        values += [torch.as_tensor(window[i][1], dtype=torch.float32).reshape(()) for i in checked]
+        values = [v for v, _, _ in window] + [window[i][1] for i in checked]
+        if not all(torch.is_tensor(v) and v.dtype == torch.float32 and v.dim() == 0 for v in values):
+            values = [torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in values]  # e.g. bf16 losses
         values = torch.stack(values).cpu()
         losses = values[: len(window)]
         all_finite = bool(torch.isfinite(values).all())
@@ -496,7 +497,10 @@ class Trainer:
         metrics.update(self.meter.row())  # throughput, step time, data wait, memory (mfu): a gather on N ranks
         self._log_window = []
         if progress_bar is not None and not progress_bar.disable:
-            progress_bar.set_postfix(loss=f"{metrics['loss']:.4g}", samples_s=f"{metrics['samples_per_second']:.4g}")
+            # No refresh of its own: the row's progress_bar.write below redraws the bar (~25 us a row less).
+            progress_bar.set_postfix(
+                loss=f"{metrics['loss']:.4g}", samples_s=f"{metrics['samples_per_second']:.4g}", refresh=False
+            )
         return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress_bar)
 
     def _stop_if_not_finite(self, losses, norms: dict):

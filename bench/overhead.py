@@ -31,6 +31,7 @@ ends after a device sync. From the same run it also prints:
 
     python bench/overhead.py                # ~2 minutes on a 2-core CPU
     python bench/overhead.py --cpu          # the CPU on a GPU machine
+    python bench/overhead.py --width 1 --rounds 8 --steps 1000   # the loops' own cost in us per update
 
 The last line, `RESULT {...}`, is the same as JSON (bench/gpu.py's overhead row reads it).
 """
@@ -281,15 +282,22 @@ def _measure_memory(name: str, steps: int):
 
 
 def main():
+    global CPU, WIDTH
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=600, help="steps per timed run")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is reported")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument(
+        "--width",
+        type=int,
+        default=WIDTH,
+        help="the MLP's hidden width; --width 1 leaves almost no kernel time, so the differences printed in us "
+        "per update are the loops' own cost, with less of the kernels' run-to-run noise",
+    )
     p.add_argument("--cpu", action="store_true", help="the CPU even where there is a GPU")
     p.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    global CPU
-    CPU = a.cpu
+    CPU, WIDTH = a.cpu, a.width
     torch.set_num_threads(a.threads)
     # The Trainer fixes glibc's malloc thresholds for a CPU run (accel_trainer/cpu_allocator.py), and they are the
     # process's: set here, before any row, every row runs under the same allocator settings, so that the ratios
@@ -312,8 +320,8 @@ def main():
     memory = {name: peak_memory_mb(name, MEMORY_STEPS) for name in ("plain+", "defaults")}
     device = training_device(CPU)
     print(
-        f"torch {torch.__version__}, {device.type}, {a.threads} thread(s), {a.rounds} rounds x {a.steps} steps, "
-        "median ms/step, wall and CPU time of this process"
+        f"torch {torch.__version__}, {device.type}, {a.threads} thread(s), MLP 256-{WIDTH}-{WIDTH}-10, {a.rounds} "
+        f"rounds x {a.steps} steps, median ms/step, wall and CPU time of this process"
     )
     print(f"  {'':8s} {'wall':>7s} {'(spread)':>20s} {'ratio':>6s}   {'CPU':>7s} {'(spread)':>20s} {'ratio':>6s}")
     for name in LOOPS:
@@ -333,9 +341,10 @@ def main():
     # round than the ratio of the medians above.
     for name, base in (("trainer", "plain"), ("defaults", "plain+")):
         per_round = [t[1] / b[1] for t, b in zip(times[name], times[base])]
+        extra_us = statistics.median((t[1] - b[1]) * 1e3 for t, b in zip(times[name], times[base]))
         print(
             f"CPU : {name} / {base} per round: {', '.join(f'{x:.3f}' for x in per_round)}; "
-            f"median {statistics.median(per_round):.3f}"
+            f"median {statistics.median(per_round):.3f} ({extra_us:+.0f} us per update)"
         )
     weights = {
         "trainer vs plain": identical(models["trainer"], models["plain"]),
@@ -355,6 +364,7 @@ def main():
         "cpu_ms_per_step": cpu,
         "final_weights": weights,
         "peak_memory_mb": memory,
+        "width": WIDTH,
         "paired_cpu_ratio": {
             f"{n} / {b}": statistics.median(t[1] / u[1] for t, u in zip(times[n], times[b]))
             for n, b in (("trainer", "plain"), ("defaults", "plain+"))
