@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from . import cpu_allocator, evaluation, faults, loaders, precision, sharding
-from .accel import build_accelerator
+from .accel import build_accelerator, inductor_on_cpu
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
 from .events import Events
@@ -127,6 +127,7 @@ class Trainer:
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
         self.cpu_allocator = cpu_allocator.keep_freed_memory(acc.device.type)  # ~6% per step on a CPU: why there
+        self.inductor = inductor_on_cpu(acc, args)  # before prepare() compiles: a heap corruption on CPUs (why there)
         # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
         self.base_learning_rate, args.learning_rate = args.learning_rate, args.scaled_learning_rate(acc.num_processes)
         resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
@@ -370,6 +371,7 @@ class Trainer:
                 # the DDP comm hook in place (update.WeightedDDP weighs, then runs it); None: no DDP model
                 "ddp_comm_hook": self.updater.ddp.name if self.updater.ddp is not None else None,
                 "cpu_allocator": self.cpu_allocator,  # glibc thresholds fixed for a CPU run (cpu_allocator.py)
+                "inductor": self.inductor,  # inductor settings changed for --torch_compile on a CPU (accel.py)
                 "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
                 # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
                 "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer, self.sharding_info),

@@ -1,11 +1,12 @@
 """The CIFAR small preset's train step in bf16 autocast vs fp32, in images per second of this process's CPU time
 (which other processes on a shared machine disturb less than the wall clock) and of wall time. One JSON line.
 
-    python bench/cifar_step.py bf16 [STEPS] [THREADS] [WIDTHS]
+    python bench/cifar_step.py bf16 [STEPS] [THREADS] [WIDTHS] [compile]
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/cifar_step.py bf16   # as a CPU without bf16
 
 The net of `--preset small` (its widths, or WIDTHS such as 16,64,128), batch 512 of random images, channels_last, forward + backward +
-SGD; STEPS (default 3) timed after one warm-up step. docs/cifar.md has the numbers.
+SGD; STEPS (default 3) timed after one warm-up step (and, with `compile`, the model under torch.compile: the
+warm-up step compiles, its time is printed). docs/cifar.md has the numbers.
 """
 
 import json
@@ -29,21 +30,27 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(512, 3, 32, 32).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (512,))
+    compiled = len(sys.argv) > 5 and sys.argv[5] == "compile"
+    net = torch.compile(model) if compiled else model
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # warm-up: oneDNN primitive creation
+    start = time.perf_counter()
+    step()  # warm-up: oneDNN primitive creation (and compilation)
+    first_step_s = time.perf_counter() - start
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(steps):
         step()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     result = {
         "precision": precision,
+        "compiled": compiled,
+        "first_step_s": round(first_step_s, 2),
         "widths": widths,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
