@@ -12,6 +12,7 @@ from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     DistributedType,
+    DynamoBackend,
     GradScalerKwargs,
     InitProcessGroupKwargs,
 )
@@ -30,15 +31,16 @@ from .world import launched_world_size
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
-def inductor_on_cpu(accelerator, args) -> dict | None:
+def inductor_on_cpu(accelerator) -> dict | None:
     """--torch_compile on a CPU: inductor's oneDNN weight prepacking is switched off, unless the user set it
     (TORCHINDUCTOR_CPP_WEIGHT_PREPACK). With it on, the C++ that torch 2.13.0's inductor generates for the CIFAR
     recipe's net (channels_last convs, training-mode BatchNorm, batch 512, fp32) corrupts the heap: 5 of 5 runs on
     this project's AVX512 CPU died in malloc, through the Trainer too. That is pytorch/pytorch#181618: an
     out-of-bounds write from the oneDNN-aware code path, seen only with oneDNN. Without prepacking the same runs
     gave eager's losses at eager's speed. Returns what was set, for run_config.json; process-wide, like the
-    setting itself."""
-    if not args.torch_compile or accelerator.device.type != "cpu" or "TORCHINDUCTOR_CPP_WEIGHT_PREPACK" in os.environ:
+    setting itself. Decided by what prepare() will do: --torch_compile, or an accelerate config's dynamo_backend."""
+    compiles = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
+    if not compiles or accelerator.device.type != "cpu" or "TORCHINDUCTOR_CPP_WEIGHT_PREPACK" in os.environ:
         return None
     import torch._inductor.config as inductor
 

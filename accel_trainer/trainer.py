@@ -127,7 +127,7 @@ class Trainer:
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
         self.cpu_allocator = cpu_allocator.keep_freed_memory(acc.device.type)  # ~6% per step on a CPU: why there
-        self.inductor = inductor_on_cpu(acc, args)  # before prepare() compiles: a heap corruption on CPUs (why there)
+        self.inductor = inductor_on_cpu(acc)  # before prepare() compiles: a heap corruption on CPUs (why there)
         # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
         self.base_learning_rate, args.learning_rate = args.learning_rate, args.scaled_learning_rate(acc.num_processes)
         resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
