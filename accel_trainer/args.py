@@ -376,6 +376,11 @@ def _choice(choices):
     return choice
 
 
+def _option_names(name: str) -> list[str]:
+    """--name_with_underscores and, as HfArgumentParser adds it, --name-with-underscores."""
+    return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+
+
 def _add_field(parser: argparse.ArgumentParser, f: Field, hint) -> None:
     """One dataclass field as flags, as transformers.HfArgumentParser adds it: --name and --name-with-hyphens;
     Optional[X] parses as X and a union with str (report_to) as str; bool takes an optional true/false and a
@@ -384,7 +389,7 @@ def _add_field(parser: argparse.ArgumentParser, f: Field, hint) -> None:
     (bench/startup.py), more than everything else we import over torch."""
     kwargs = {k: v for k, v in f.metadata.items() if k != "aliases"}
     aliases = f.metadata.get("aliases", [])
-    names = [f"--{f.name}", *([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])]
+    names = _option_names(f.name)
     names += [aliases] if isinstance(aliases, str) else list(aliases)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -411,9 +416,12 @@ def _add_field(parser: argparse.ArgumentParser, f: Field, hint) -> None:
         kwargs["type"] = hint
     parser.add_argument(*names, **kwargs)
     if hint is bool and f.default is True:  # after --name: the first action sets the default
-        no = [f"--no_{f.name}", *([f"--no-{f.name.replace('_', '-')}"] if "_" in f.name else [])]
         parser.add_argument(
-            *no, action="store_false", dest=f.name, default=argparse.SUPPRESS, help=f"Sets --{f.name} to False."
+            *_option_names(f"no_{f.name}"),
+            action="store_false",
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            help=f"Sets --{f.name} to False.",
         )
 
 

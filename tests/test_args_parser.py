@@ -35,6 +35,7 @@ class KitchenSink:
     rate: float = 0.5
     flag: bool = False
     on_by_default: bool = field(default=True, metadata={"help": "Defaults to True: has --no_on_by_default."})
+    lookahead: bool = True  # one word: --no_lookahead and --no-lookahead, as HfArgumentParser
     mode: Literal["a", "b"] = "a"
     colour: Colour = Colour.RED
     sizes: list[int] = field(default_factory=lambda: [1, 2])
@@ -45,7 +46,7 @@ ARGVS = [
     ["--learning_rate", "1e-3", "--max_steps", "7", "--torch_compile", "--disable_tqdm", "false"],
     ["--learning-rate", "0.1", "--per-device-train-batch-size", "4", "--report_to", "wandb,tensorboard"],
     ["--name", "y", "--maybe_name", "z", "--count", "9", "--maybe_count", "4", "--rate", "2.5", "--flag", "true"],
-    ["--no_on_by_default", "--mode", "b", "--colour", "blue", "--sizes", "3", "4", "5"],
+    ["--no_on_by_default", "--no-lookahead", "--mode", "b", "--colour", "blue", "--sizes", "3", "4", "5"],
     ["--on_by_default", "false", "--no-on-by-default", "--greater_is_better", "true", "--save_total_limit", "2"],
     ["--flag=yes", "--mixed_precision", "bf16", "--resume_from_checkpoint", "latest", "--lr_scheduler_type", "cosine"],
 ]
