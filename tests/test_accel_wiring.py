@@ -104,3 +104,26 @@ def test_nccl_errors_surface_as_exceptions_so_the_dead_rank_is_named(tmp_path, m
         except _Built:
             pass
     assert seen == ["2", "1"]
+
+
+def test_compiling_on_a_cpu_turns_inductor_weight_prepacking_off_unless_the_user_chose(tmp_path, monkeypatch):
+    # accel.inductor_on_cpu: the workaround for pytorch/pytorch#181618 (test_compile_cpu.py runs the crash itself).
+    import torch._inductor.config as inductor
+
+    from accel_trainer.accel import inductor_on_cpu
+
+    monkeypatch.setattr(inductor.cpp, "weight_prepack", True)  # restored after the test
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WEIGHT_PREPACK", raising=False)
+    assert inductor_on_cpu(build_accelerator(TrainingArguments(output_dir=str(tmp_path), use_cpu=True))) is None
+    assert inductor.cpp.weight_prepack is True  # nothing compiles: nothing changed
+    compiled = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, torch_compile=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WEIGHT_PREPACK", "1")  # the user's choice stands
+    assert inductor_on_cpu(build_accelerator(compiled)) is None and inductor.cpp.weight_prepack is True
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WEIGHT_PREPACK")
+    assert inductor_on_cpu(build_accelerator(compiled)) == {"cpp.weight_prepack": False}
+    assert inductor.cpp.weight_prepack is False
+    # an accelerate config's dynamo backend compiles too (what `accelerate launch` exports from the config)
+    monkeypatch.setattr(inductor.cpp, "weight_prepack", True)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    plain = TrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+    assert inductor_on_cpu(build_accelerator(plain)) == {"cpp.weight_prepack": False}
