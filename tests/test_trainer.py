@@ -175,3 +175,30 @@ def test_the_default_adamw_is_fused_where_torch_has_it_steps_like_the_loop_and_s
     scaler.update()
     assert_same_weights(before, fused_model.state_dict(), rtol=0, atol=0)
     assert scaler.get_scale() == 2.0**9
+
+
+def test_a_log_row_takes_losses_of_any_float_dtype_and_shape(tmp_path):
+    # log() stacks the window's losses and norms as they are when all are 0-d float32 (the usual case) and converts
+    # them otherwise: a recipe's loss in bf16, or of shape (1,), must give the same row.
+    from accel_trainer import Recipe
+
+    rows = {}
+    for kind, cast in (("fp32", lambda x: x), ("bf16", lambda x: x.bfloat16()), ("shape1", lambda x: x.reshape(1))):
+        recipe = Recipe(
+            name=f"regression_{kind}",
+            Args=regression.Args,
+            build_model=regression.build_model,
+            build_data=regression.build_data,
+            loss=lambda model, batch, cast=cast: (
+                cast(regression.loss(model, batch)[0]),
+                regression.loss(model, batch)[1],
+            ),
+        )
+        args = TrainingArguments(output_dir=str(tmp_path / kind), max_steps=3, learning_rate=1e-2,
+                                 per_device_train_batch_size=16, disable_tqdm=True, save_steps=0)  # fmt: skip
+        t = Trainer(recipe, args, regression.Args(), quiet=True)
+        for _ in range(3):
+            t.train_step()
+        rows[kind] = t.log()["loss"]
+    assert rows["shape1"] == rows["fp32"]
+    assert rows["bf16"] == pytest.approx(rows["fp32"], rel=1e-2)  # bf16 rounding of each loss
