@@ -43,7 +43,7 @@ def train(out, mode):
     )
     assert proc.returncode == 0, f"{mode} run exited {proc.returncode}: {proc.stderr[-3000:]}"
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        losses = [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
+        losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
     with open(os.path.join(out, "run_config.json")) as f:
         return losses, json.load(f)["inductor"]
 
