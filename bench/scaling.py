@@ -20,6 +20,9 @@ Throughput = samples per second from metrics.jsonl: (updates x global batch) / (
 consecutive log rows (every --log_every updates; start-up and the first updates come before the first row), the
 median over those intervals. Ratios: DDP / 1 proc (the goal is >= 1.8 on 2 cores), alone / 1 proc (the
 ceiling), DDP / alone, and the Trainer's step over the hand-written loop's on 1 and 2 processes (goal <= 1.02).
+The runs of a round go in an order that rotates by one each round; the Trainer's and the hand-written loop's
+2-process runs go back to back (which first alternates), and the median of their per-round ratios is printed too
+("paired"): this VM's throughput drifts by 5-15% between rounds, more than the 2% to resolve.
 
 Where the DDP time goes, measured in a hand-written DDP loop on the same model, batch and optimizer (gloo, 2
 processes, 1 thread each), per update:
@@ -151,46 +154,60 @@ def wait(procs: list[subprocess.Popen], logs: list[str], timeout: float):
             harness.exit_with_log("a run", rc, log)
 
 
-def trainer_runs(a, tmp: str, round_: int) -> dict[str, float]:
+def trainer_runs(a, tmp: str, round_: int, tag: str = "") -> dict[str, float]:
+    """One round: every run once. The runs go in a fixed list whose order rotates by one per round, so that no run
+    always follows the same other run (a run after the 2-process ones can find the cores in another state), and
+    the Trainer's 2-process run and the hand-written one stay next to each other: their per-round ratio is paired."""
     g, half = a.global_batch, a.global_batch // 2
     res = {}
-    # 1 process
-    out = os.path.join(tmp, f"r{round_}_1proc")
-    log = out + ".log"
-    wait([start(launch_cmd(1) + [RECIPE] + recipe_args(a, out, g), log)], [log], a.timeout)
-    res["1 proc"], world = throughput(out, g)
-    assert world == 1, world
-    # 2 processes, one DDP world
-    out = os.path.join(tmp, f"r{round_}_ddp")
-    log = out + ".log"
-    wait([start(launch_cmd(2) + [RECIPE] + recipe_args(a, out, half), log)], [log], a.timeout)
-    res["2 procs DDP"], world = throughput(out, g)
-    if world != 2:
-        sys.exit(f"error: accelerate launch formed a world of {world}, not 2; see {log}")
-    # 2 independent processes at the same time: each does half the global batch, nothing is communicated
-    outs = [os.path.join(tmp, f"r{round_}_alone{i}") for i in range(2)]
-    logs = [o + ".log" for o in outs]
-    procs = [start(launch_cmd(1) + [RECIPE] + recipe_args(a, o, half), lg) for o, lg in zip(outs, logs)]
-    wait(procs, logs, a.timeout)
-    res["2 procs alone"] = sum(throughput(o, half)[0] for o in outs)
-    # the same two runs by the hand-written loop (`hand_written`): what the Trainer is measured against
-    for name, n, per in (("hand-written 1 proc", 1, g), ("hand-written 2 procs DDP", 2, half)):
-        out = os.path.join(tmp, f"r{round_}_hand{n}")
+
+    def trainer(name, procs, per, flags=()):
+        out = os.path.join(tmp, f"r{round_}{tag}_{len(res)}")
         log = out + ".log"
-        hand = [os.path.abspath(__file__), "--_hand", out, "--_per_device", str(per)] + harness.flags(
+        wait([start(launch_cmd(procs) + [RECIPE] + recipe_args(a, out, per) + list(flags), log)], [log], a.timeout)
+        res[name], world = throughput(out, g)
+        if world != procs:
+            sys.exit(f"error: accelerate launch formed a world of {world}, not {procs}; see {log}")
+
+    def alone():  # 2 independent processes at the same time: each does half the global batch, nothing communicated
+        outs = [os.path.join(tmp, f"r{round_}{tag}_alone{i}") for i in range(2)]
+        logs = [o + ".log" for o in outs]
+        procs = [start(launch_cmd(1) + [RECIPE] + recipe_args(a, o, half), lg) for o, lg in zip(outs, logs)]
+        wait(procs, logs, a.timeout)
+        res["2 procs alone"] = sum(throughput(o, half)[0] for o in outs)
+
+    def hand(name, n, per):  # the same run by the hand-written loop (`hand_written`): what the Trainer is measured against
+        out = os.path.join(tmp, f"r{round_}{tag}_hand{n}")
+        log = out + ".log"
+        cmd = [os.path.abspath(__file__), "--_hand", out, "--_per_device", str(per)] + harness.flags(
             features=a.features, hidden=a.hidden, targets=a.targets, steps=a.steps, log_every=a.log_every
         )
-        wait([start(launch_cmd(n) + hand, log)], [log], a.timeout)
+        wait([start(launch_cmd(n) + cmd, log)], [log], a.timeout)
         res[name] = throughput(out, g, world=n)[0]
-    # DDP variants that move less data or communicate less often (--ddp_variants)
-    for i, flags in enumerate(a.ddp_variants):
-        out = os.path.join(tmp, f"r{round_}_ddp_variant{i}")
-        log = out + ".log"
-        wait([start(launch_cmd(2) + [RECIPE] + recipe_args(a, out, half) + flags.split(), log)], [log], a.timeout)
-        res[f"2 procs DDP {flags}"], world = throughput(out, g)
-        if world != 2:
-            sys.exit(f"error: accelerate launch formed a world of {world}, not 2; see {log}")
+
+    def ddp_pair():  # the paired comparison of issue 17 part 1: back to back, which goes first alternates by round
+        pair = [lambda: trainer("2 procs DDP", 2, half), lambda: hand("hand-written 2 procs DDP", 2, half)]
+        for run in pair[round_ % 2 :] + pair[: round_ % 2]:
+            run()
+
+    runs = [
+        lambda: trainer("1 proc", 1, g),
+        ddp_pair,
+        alone,
+        lambda: hand("hand-written 1 proc", 1, g),
+    ] + [  # DDP variants that move less data or communicate less often (--ddp_variants)
+        (lambda f=flags: trainer(f"2 procs DDP {f}", 2, half, f.split())) for flags in a.ddp_variants
+    ]
+    k = round_ % len(runs)
+    for run in runs[k:] + runs[:k]:
+        run()
     return res
+
+
+def paired(rounds: list[dict], num: str, den: str) -> str:
+    """The median over rounds of each round's own ratio num / den, and the rounds' values."""
+    each = [r[num] / r[den] for r in rounds]
+    return f"{statistics.median(each):.3f} (per round: {', '.join(f'{x:.3f}' for x in each)})"
 
 
 # ------------------------------------------------------------------------------------- communication probe
@@ -337,7 +354,7 @@ def main():
             rounds = [trainer_runs(a, tmp, r) for r in range(a.rounds)]
             if a.also_global_batch:
                 b = argparse.Namespace(**{**vars(a), "global_batch": a.also_global_batch, "ddp_variants": []})
-                rounds_b = [trainer_runs(b, tmp, f"{r}_b") for r in range(a.rounds)]
+                rounds_b = [trainer_runs(b, tmp, r, "_b") for r in range(a.rounds)]
         tput = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
         tput_b = {k: statistics.median(r[k] for r in rounds_b) for k in rounds_b[0]} if a.also_global_batch else {}
     probe = {} if a.no_probe else comm_probe(a)
@@ -365,6 +382,7 @@ def main():
         hand2, hand1 = tput["hand-written 2 procs DDP"], tput["hand-written 1 proc"]
         print(f"  hand-written 2 procs / 1 proc = {hand2 / hand1:.3f}   (the Trainer's goal: the same)")
         print(f"  Trainer step / hand-written step, 2 procs = {hand2 / tput['2 procs DDP']:.3f}   (goal <= 1.02)")
+        print(f"    paired (back to back in each round) = {paired(rounds, 'hand-written 2 procs DDP', '2 procs DDP')}")
         print(f"  Trainer step / hand-written step, 1 proc  = {hand1 / tput['1 proc']:.3f}")
     if tput_b:
         g = a.also_global_batch
@@ -376,6 +394,7 @@ def main():
         hand2, hand1 = tput_b["hand-written 2 procs DDP"], tput_b["hand-written 1 proc"]
         print(f"  hand-written 2 procs / 1 proc = {hand2 / hand1:.3f}")
         print(f"  Trainer step / hand-written step, 2 procs = {hand2 / tput_b['2 procs DDP']:.3f}   (goal <= 1.02)")
+        print(f"    paired (back to back in each round) = {paired(rounds_b, 'hand-written 2 procs DDP', '2 procs DDP')}")
         print(f"  Trainer step / hand-written step, 1 proc  = {hand1 / tput_b['1 proc']:.3f}")
     if probe:
         print("\nCommunication probe (hand-written DDP loop, gloo, 2 x 1 thread), median ms per update:")
