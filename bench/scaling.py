@@ -176,7 +176,7 @@ def trainer_runs(a, tmp: str, round_: int, tag: str = "") -> dict[str, float]:
         wait(procs, logs, a.timeout)
         res["2 procs alone"] = sum(throughput(o, half)[0] for o in outs)
 
-    def hand(name, n, per):  # the same run by the hand-written loop (`hand_written`): what the Trainer is measured against
+    def hand(name, n, per):  # the same run by the loop written by hand (`hand_written`): the Trainer's baseline
         out = os.path.join(tmp, f"r{round_}{tag}_hand{n}")
         log = out + ".log"
         cmd = [os.path.abspath(__file__), "--_hand", out, "--_per_device", str(per)] + harness.flags(
@@ -382,7 +382,7 @@ def main():
         hand2, hand1 = tput["hand-written 2 procs DDP"], tput["hand-written 1 proc"]
         print(f"  hand-written 2 procs / 1 proc = {hand2 / hand1:.3f}   (the Trainer's goal: the same)")
         print(f"  Trainer step / hand-written step, 2 procs = {hand2 / tput['2 procs DDP']:.3f}   (goal <= 1.02)")
-        print(f"    paired (back to back in each round) = {paired(rounds, 'hand-written 2 procs DDP', '2 procs DDP')}")
+        print(f"    paired (back to back) = {paired(rounds, 'hand-written 2 procs DDP', '2 procs DDP')}")
         print(f"  Trainer step / hand-written step, 1 proc  = {hand1 / tput['1 proc']:.3f}")
     if tput_b:
         g = a.also_global_batch
@@ -394,7 +394,7 @@ def main():
         hand2, hand1 = tput_b["hand-written 2 procs DDP"], tput_b["hand-written 1 proc"]
         print(f"  hand-written 2 procs / 1 proc = {hand2 / hand1:.3f}")
         print(f"  Trainer step / hand-written step, 2 procs = {hand2 / tput_b['2 procs DDP']:.3f}   (goal <= 1.02)")
-        print(f"    paired (back to back in each round) = {paired(rounds_b, 'hand-written 2 procs DDP', '2 procs DDP')}")
+        print(f"    paired (back to back) = {paired(rounds_b, 'hand-written 2 procs DDP', '2 procs DDP')}")
         print(f"  Trainer step / hand-written step, 1 proc  = {hand1 / tput_b['1 proc']:.3f}")
     if probe:
         print("\nCommunication probe (hand-written DDP loop, gloo, 2 x 1 thread), median ms per update:")
