@@ -109,7 +109,7 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         project_dir=args.output_dir,
         kwargs_handlers=handlers,
         # A sampler seeded from (seed, epoch) alone: the same order on any world size, and resumable. (The train
-        # loader brings one with this order, loaders.EpochShuffle; this covers a shuffling DataLoader that a
+        # loader brings one with this order, loaders.train_sampler; this covers a shuffling DataLoader that a
         # recipe or notebook prepares with this accelerator.)
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         fsdp_plugin=plugin,

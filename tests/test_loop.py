@@ -17,7 +17,7 @@ import batchloader_recipe  # noqa: E402
 import regression  # noqa: E402
 
 from accel_trainer import Trainer  # noqa: E402
-from accel_trainer.loaders import EpochShuffle, ShortEpochError, accumulation_windows  # noqa: E402
+from accel_trainer.loaders import ShortEpochError, accumulation_windows, train_sampler  # noqa: E402
 
 
 def epochs_of(n_batches):
@@ -44,13 +44,13 @@ def test_windows_are_aligned_to_epochs_and_the_last_may_be_short():
 
 
 def test_the_train_order_is_accelerates_seedable_sampler_order():
-    """EpochShuffle replaces Accelerate's SeedableRandomSampler for speed; the order must stay the one a run with
+    """train_sampler replaces Accelerate's SeedableRandomSampler for speed; the order must stay the one a run with
     Accelerate's sampler reads (earlier runs and checkpoints), epoch by epoch, and only (seed, epoch) decide it."""
     from accelerate.data_loader import SeedableRandomSampler
 
     for n, seed in ((1, 0), (37, 42), (1000, 7)):
         theirs = SeedableRandomSampler(range(n), generator=torch.Generator().manual_seed(seed), data_seed=seed)
-        ours = EpochShuffle(n, seed)
+        ours = train_sampler(range(n), seed)
         for epoch in (0, 1, 2, 5, 1):
             theirs.set_epoch(epoch)
             ours.set_epoch(epoch)
