@@ -162,7 +162,7 @@ def trainer_runs(a, tmp: str, round_: int, tag: str = "") -> dict[str, float]:
     res = {}
 
     def trainer(name, procs, per, flags=()):
-        out = os.path.join(tmp, f"r{round_}{tag}_{len(res)}")
+        out = os.path.join(tmp, f"r{round_}{tag}_" + "_".join(name.split()))
         log = out + ".log"
         wait([start(launch_cmd(procs) + [RECIPE] + recipe_args(a, out, per) + list(flags), log)], [log], a.timeout)
         res[name], world = throughput(out, g)
