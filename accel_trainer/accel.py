@@ -10,6 +10,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import (
     DataLoaderConfiguration,
+    DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     DistributedType,
     DynamoBackend,
@@ -120,8 +121,15 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
 
 
 def _kwargs_handlers(args: TrainingArguments) -> list:
-    # No comm hook for Accelerate to register: update.WeightedDDP registers --ddp_comm_hook's behind its weighting.
-    ddp = DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)
+    # --ddp_comm_hook is Accelerate's to register (none: DDP's own all-reduce, no Python hook). update.py weighs
+    # by item count around it, so any hook sees gradients of mean size.
+    power = {"matrix_approximation_rank": args.powersgd_rank} if "power_sgd" in args.ddp_comm_hook else {}
+    ddp = DistributedDataParallelKwargs(
+        find_unused_parameters=args.ddp_find_unused_parameters,
+        # the enum, not its string: Accelerate looks the hook up by enum and would register nothing for a string
+        comm_hook=DDPCommunicationHookType("no" if args.ddp_comm_hook == "none" else args.ddp_comm_hook),
+        comm_state_option=power,
+    )
     return [
         ddp,
         process_group_kwargs(args.ddp_timeout),  # process-group set-up and every collective

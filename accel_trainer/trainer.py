@@ -40,7 +40,7 @@ from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
 from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops
-from .update import Updater, is_plain_torch
+from .update import Updater, is_plain_torch, registered_comm_hook
 
 PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best")
 
@@ -368,8 +368,8 @@ class Trainer:
                 "args": self.args.to_dict(),
                 "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
                 "topology": topology(self.accelerator),
-                # the DDP comm hook in place (update.WeightedDDP weighs, then runs it); None: no DDP model
-                "ddp_comm_hook": self.updater.ddp.name if self.updater.ddp is not None else None,
+                # the DDP comm hook in place, as registered by Accelerate; None: no DDP model
+                "ddp_comm_hook": registered_comm_hook(self.updater.ddp),
                 "cpu_allocator": self.cpu_allocator,  # glibc thresholds fixed for a CPU run (cpu_allocator.py)
                 "inductor": self.inductor,  # inductor settings changed for --torch_compile on a CPU (accel.py)
                 "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
@@ -558,6 +558,8 @@ class Trainer:
             "per_device_train_batch_size": self.args.per_device_train_batch_size,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "seed": self.args.seed,
+            # update.py's K (items per rank of the last update): a resumed DDP run scales its gradients the same
+            "items_per_rank": None if self.updater.reference is None else float(self.updater.reference),
         }
 
     def save_checkpoint(self) -> str:
@@ -643,6 +645,8 @@ class Trainer:
         )  # fmt: skip
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
         self.progress.batch_in_epoch = position
+        if state.get("items_per_rank") is not None and self.updater.ddp is not None:
+            self.updater.reference = torch.tensor(state["items_per_rank"], device=self.accelerator.device)
         if self.streaming:  # this rank's epoch, batch counter and stream position (they differ by rank)
             self._train_stream.load(path, self.progress)
         moved = "" if state["num_processes"] == self.accelerator.num_processes else (

@@ -3,29 +3,33 @@ takes, top to bottom in `Updater.__call__`:
 
     forward + backward of each micro-batch, weighted by its item count (recipe.loss gives the mean and the count)
     before the window's last backward: the one all-reduce (loss sum, item count, preemption vote) is started;
-        DDP's comm hook weighs each rank's gradient by its share of the items (FSDP: after the last backward)
+        DDP all-reduces the gradients as it does in a hand-written loop (FSDP: reduce-scatters them)
+    after it: the gradients corrected to the mean over every item of the global batch (a no-op with equal counts)
     clip (--max_grad_norm), the non-finite check (--nan_policy skip), the optimizer step (fp16 overflow skips)
     then, if it stepped: the scheduler and the EMA; the gradients zeroed
 
 Gradient accumulation is ours, not `accelerator.accumulate`: one update's gradient must be the mean over every
 item (sample or token) of the global batch, weighted by item count, on any world size. Each micro-batch's
 backward uses its summed loss (mean x n_items). Before the window's last backward (the one DDP communicates) this
-rank's gradients are scaled to its own mean (1 / n, n its items in the window: known here, no communication), so
-what is communicated is of mean size, which a compressing comm hook (fp16) needs. The item count N of the whole
-global batch is all-reduced *asynchronously* meanwhile, and our DDP comm hook (WeightedDDP) multiplies each bucket
-by n x world_size / N just before DDP averages it over the ranks: the mean over all N items. With equal counts
-(the usual case) that factor is exactly 1. Waiting for N in the hook, at the end of the backward, instead of
-before it, saves one synchronisation of the ranks per update (bench/scaling.py: ~5 ms of a ~95 ms 2-process
-update). Under FSDP the scaling comes after the last backward. With one process and no accumulation the mean
-loss is already that, and we skip the bookkeeping (no cost over a plain loop).
+rank's gradients are scaled by 1 / K, K the items per rank of the previous update (N / world_size, the same number
+on every rank), so what DDP averages over the ranks is the sum of item gradients / K: of mean size, which a
+compressing comm hook (fp16) needs. The item count N of this global batch is all-reduced *asynchronously*
+meanwhile; after the backward the gradients are multiplied by K x world_size / N: the mean over all N items. With
+the same counts as the previous update (fixed-size batches, the usual case) that factor is exactly 1 and nothing
+is multiplied. So DDP runs its own all-reduce, with no Python comm hook, and nothing waits in the middle of the
+backward (bench/scaling.py: ~1-2% of a 2-process update, docs/observability.md). The first update of a run (no
+previous count) waits for N before its backward; K is saved in checkpoints, so a resumed run scales as the
+uninterrupted one did (bit-identical). Under FSDP the scaling comes after the last backward. With one process and
+no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a plain loop).
 
 The Trainer keeps the run's side of an update (the step counter, skipped steps, the log window); the Updater
-owns what one update needs from one call to the next: the fast-path choices and the last gradient norm.
+owns what one update needs from one call to the next: the fast-path choices, the item reference K and the last
+gradient norm.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +66,11 @@ class Updater:
         self.inner_opt = optimizer.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.weighted = accelerator.num_processes > 1 or args.gradient_accumulation_steps > 1
-        self.ddp = WeightedDDP.register(model, args) if accelerator.num_processes > 1 and not self.sharded else None
+        # The DDP wrapper, if any (--torch_compile: Accelerate compiles the DDP-wrapped model); None without one
+        # (FSDP, one process, or no trainable parameters: nothing is communicated).
+        ddp = getattr(model, "_orig_mod", model)
+        self.ddp = ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else None
+        self.reference = None  # K: the previous update's items per rank (a tensor; None: not known yet)
         self.grad_norm = None
 
     def __call__(self, window: list, schedule: bool = True) -> Result:
@@ -104,11 +112,15 @@ class Updater:
                     weighted = loss.detach() * n
                     loss_sum = weighted if loss_sum is None else loss_sum + weighted  # no `0.0 +` kernel
                     n_sum = n_sum + n
-                    if last and self.ddp is not None:  # this rank's mean; the comm hook weighs it by its share
+                    if last and self.ddp is not None:  # sum / K, K the same on every rank; corrected after
                         pending = self._start_totals(loss_sum, n_sum)
-                        with self.ddp.weighing(pending, n_sum):
-                            self._backward(loss * n * self._to_mean(n_sum, 1))
-                        loss_sum, n_sum = self._finish_totals(pending)
+                        if self.reference is None:  # the run's first update: K from its own N (one wait)
+                            loss_sum, n_sum = self._finish_totals(pending)
+                            pending, self.reference = None, self._items_per_rank(n_sum)
+                        self._backward(loss * n * self._to_mean(self.reference, 1))
+                        if pending is not None:
+                            loss_sum, n_sum = self._finish_totals(pending)
+                        self._correct(n_sum)
                     elif last and not self.sharded:  # no DDP wrapper (no trainable parameters): nothing to weigh
                         loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
                         self._backward(loss * n * self._to_mean(n_sum, self.accelerator.num_processes))
@@ -177,10 +189,27 @@ class Updater:
     def _reduce_totals(self, loss_sum, n_sum):
         return self._finish_totals(self._start_totals(loss_sum, n_sum))
 
+    def _items_per_rank(self, n_total):
+        """K for the next update: N / world_size, at least 1 (a window without items divides by nothing)."""
+        return (n_total / self.accelerator.num_processes).clamp(min=1)
+
+    def _correct(self, n_total):
+        """After DDP averaged (sum / K) over the ranks: multiply by K x world_size / N (N = n_total, this update's
+        global count) for the mean over all N items; then K becomes this update's N / world_size. On a CPU an
+        exact 1 (the same counts as the previous update) multiplies nothing; on a GPU that check would be a host
+        sync, so the (cheap) multiply runs."""
+        factor = self.reference * self.accelerator.num_processes / n_total.clamp(min=1)
+        self.reference = self._items_per_rank(n_total)
+        if factor.device.type == "cpu" and factor.item() == 1.0:
+            return
+        grads = [q.grad for q in self.params if q.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
     def _to_mean(self, n, world_size: int):
         """Scale the window's summed-loss gradients so far by world_size / n, and return that factor for the last
-        micro-batch's loss. DDP: n is this rank's item count and world_size 1 (its own mean, before DDP
-        communicates; WeightedDDP weighs it by its share). FSDP: n is the global count N, after the DTensor
+        micro-batch's loss. DDP: n is K, the previous update's items per rank (the same on every rank), and
+        world_size 1; _correct turns DDP's average into the mean over every item. FSDP: n is the global count N, after the DTensor
         shards were averaged over ranks. Either way what a compressing comm hook sees (fp16: cast before the
         division) is of mean size, not item-count times larger (inf above fp16's 65504). clamp: a window with no
         items leaves the gradients at zero."""
@@ -214,65 +243,18 @@ class Updater:
         return scaler.get_scale() >= scale  # the scale only drops when an inf/nan gradient skipped the step
 
 
-class WeightedDDP:
-    """The DDP comm hook that weighs each rank's gradient by its share of the global batch's items, then runs the
-    hook --ddp_comm_hook names (torch's allreduce_hook by default; fp16/bf16 compression, PowerSGD), which averages
-    over the ranks. Registered by us, not by Accelerate (which is told `comm_hook=NO`: DDP takes one hook only).
+def registered_comm_hook(ddp) -> str | None:
+    """The --ddp_comm_hook name of the hook registered on a DDP model ("none": DDP's own all-reduce), read back from
+    the model rather than from the flags, so run_config.json says what runs; None without a DDP model."""
+    if ddp is None:
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    Inside `weighing(pending, n)` each rank's buckets hold the gradient of its own mean loss over its n items; the
-    hook multiplies them by n x world_size / N, N the global count from the all-reduce the Updater started before
-    the backward, so that DDP's average over ranks is the mean over all N items. It waits for that all-reduce at
-    the first bucket, after the backward so far. Outside `weighing` (a backward the Updater did not start) the
-    buckets pass through unweighted, as plain DDP."""
-
-    @classmethod
-    def register(cls, model, args) -> WeightedDDP | None:
-        ddp = getattr(model, "_orig_mod", model)  # --torch_compile: Accelerate compiles the DDP-wrapped model
-        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            return None  # no trainable parameters, nothing communicated: the Updater reduces the totals itself
-        self = cls(args.ddp_comm_hook, args.powersgd_rank)
-        ddp.register_comm_hook(state=self, hook=_weighted_hook)
-        return self
-
-    def __init__(self, name: str, powersgd_rank: int):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        hooks = {  # the hooks Accelerate's DistributedDataParallelKwargs maps the names to, and DDP's default
-            "none": default_hooks.allreduce_hook,
-            "fp16": default_hooks.fp16_compress_hook,
-            "bf16": default_hooks.bf16_compress_hook,
-            "power_sgd": powerSGD_hook.powerSGD_hook,
-            "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
-        }
-        self.name, self.inner = name, hooks[name]
-        power = "power_sgd" in name  # PowerSGD keeps its error feedback in its state; the others take the group
-        self.inner_state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=powersgd_rank) if power else None
-        self.pending, self.n, self.factor = None, None, None
-
-    @contextmanager
-    def weighing(self, pending, n):
-        self.pending, self.n, self.factor = pending, n, None
-        try:
-            yield
-        finally:
-            self.pending, self.n, self.factor = None, None, None
-
-    def weight(self):
-        """n x world_size / N for this backward, worked out at its first bucket; None where it is exactly 1 on a
-        CPU (equal counts: nothing to multiply; a CPU loses nothing to the host sync that tells)."""
-        if self.pending is not None:
-            totals, work = self.pending
-            work.wait()
-            n = torch.as_tensor(self.n, dtype=torch.float32, device=totals.device)
-            factor = n * torch.distributed.get_world_size() / totals[1].clamp(min=1)
-            self.factor = None if factor.device.type == "cpu" and factor.item() == 1.0 else factor
-            self.pending = None
-        return self.factor
-
-
-def _weighted_hook(state: WeightedDDP, bucket):
-    if state.n is not None:
-        factor = state.weight()
-        if factor is not None:
-            bucket.buffer().mul_(factor.to(bucket.buffer().dtype))
-    return state.inner(state.inner_state, bucket)
+    names = {
+        default_hooks.fp16_compress_hook: "fp16",
+        default_hooks.bf16_compress_hook: "bf16",
+        powerSGD_hook.powerSGD_hook: "power_sgd",
+        powerSGD_hook.batched_powerSGD_hook: "batched_power_sgd",
+    }
+    hooks = [names.get(hook, getattr(hook, "__name__", repr(hook))) for hook, _ in getattr(ddp, "_comm_hooks", [])]
+    return ", ".join(hooks) or "none"

@@ -4,11 +4,9 @@ Accelerate's, tested there; a real 2-process run with a comm hook is in test_par
 from datetime import timedelta
 
 from accelerate.utils import DDPCommunicationHookType
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from accel_trainer import TrainingArguments
 from accel_trainer.accel import build_accelerator
-from accel_trainer.update import WeightedDDP
 
 
 def test_kwargs_handlers_carry_the_arguments(tmp_path):
@@ -21,10 +19,9 @@ def test_kwargs_handlers_carry_the_arguments(tmp_path):
         torch_compile=True,
     )
     acc = build_accelerator(args)
-    # the comm hook is ours to register (update.WeightedDDP, behind its item weighting), not Accelerate's
-    assert acc.ddp_handler.comm_hook == DDPCommunicationHookType.NO
-    hook = WeightedDDP(args.ddp_comm_hook, args.powersgd_rank)
-    assert hook.inner is powerSGD_hook.powerSGD_hook and hook.inner_state.matrix_approximation_rank == 4
+    # the comm hook is Accelerate's to register on the DDP model, with the PowerSGD rank asked for
+    assert acc.ddp_handler.comm_hook == DDPCommunicationHookType.POWER_SGD
+    assert acc.ddp_handler.comm_state_option == {"matrix_approximation_rank": 4}
     assert acc.ddp_handler.find_unused_parameters is True
     assert acc.init_handler.timeout == timedelta(seconds=77)
     assert acc.state.dynamo_plugin.backend.value.lower() == "inductor"

@@ -321,6 +321,46 @@ def test_eval_on_an_uneven_split_counts_every_line_once(parity_runs, env):
         assert a["eval_perplexity"] == pytest.approx(math.exp(a["eval_loss"]))
 
 
+def test_two_processes_resume_bit_identical_with_token_counts_that_differ_by_rank_and_update(env, tmp_path):
+    # Per-line batches: every micro-batch has its own target-token count, so each update's gradient is rescaled
+    # after DDP's all-reduce by K x world / N (update.py), K the previous update's tokens per rank. K is saved in
+    # the checkpoint: a run stopped after its step-3 checkpoint resumes to the uninterrupted run's bytes.
+    import shutil
+
+    common = flags(
+        model_name_or_path=env["model"],
+        train_file=env["train"],
+        cache_dir=env["cache"] + "-resume2",
+        packing="false",
+        block_size=64,
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        save_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        sample_max_new_tokens=0,
+        seed=4,
+        mixed_precision="no",
+    ) + ["--disable_tqdm"]
+    ref = tmp_path / "ref"
+    proc = run_recipe("causal_lm", common + ["--output_dir", str(ref)], tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ref / "run_config.json").read_text())["num_processes"] == 2
+    stopped = tmp_path / "stopped"
+    shutil.copytree(ref, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step_6")
+    os.remove(stopped / "model.safetensors")
+    state = json.loads((stopped / "checkpoints" / "step_3" / "trainer_state.json").read_text())
+    assert state["items_per_rank"] > 1  # tokens per rank of update 3, not a sample count of 1
+    proc = run_recipe(
+        "causal_lm", common + ["--output_dir", str(stopped), "--resume_from_checkpoint", "latest"], tmp_path, nproc=2
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step_3" in proc.stdout + proc.stderr
+    assert (stopped / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+
+
 def test_the_other_process_reads_the_main_process_cache(parity_runs):
     # Tokenise once: the 2-process run found the 1-process run's cache (same fingerprints) and wrote nothing new.
     _, cache_files = parity_runs

@@ -326,7 +326,7 @@ def assert_run(row, f, result: dict, world: str):
     assert config["num_processes"] == PROCESSES[world]
     assert config["topology"]["distributed_type"] == DISTRIBUTED_TYPE[world]
     assert config["topology"]["mixed_precision"] == row["precision"] == config["args"]["mixed_precision"]
-    # the comm hook DDP runs is the one asked for, also behind torch.compile's wrapper (update.WeightedDDP)
+    # the comm hook DDP runs (read back from the DDP model) is the one asked for, also behind torch.compile's wrapper
     assert config["ddp_comm_hook"] == (row["hook"] if world == "ddp" else None)
     if row["save_limit"]:
         assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [f"step_{MAX_STEPS}"]
