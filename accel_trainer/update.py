@@ -17,9 +17,9 @@ compressing comm hook (fp16) needs. The item count N of this global batch is all
 meanwhile; after the backward the gradients are multiplied by K x world_size / N: the mean over all N items. With
 the same counts as the previous update (fixed-size batches, the usual case) that factor is exactly 1 and nothing
 is multiplied. So DDP runs its own all-reduce, with no Python comm hook, and nothing waits in the middle of the
-backward (bench/scaling.py: ~1-2% of a 2-process update, docs/observability.md). The first update of a run (no
-previous count) waits for N before its backward; K is saved in checkpoints, so a resumed run scales as the
-uninterrupted one did (bit-identical). Under FSDP the scaling comes after the last backward. With one process and
+backward (bench/scaling.py: the 2-process step went from 1.5-3% slower than a hand-written DDP loop's to 0-2%;
+docs/observability.md). The first update of a run (no previous count) waits for N before its backward; K is saved
+in checkpoints, so a resumed run scales as the uninterrupted one did (bit-identical). Under FSDP the scaling comes after the last backward. With one process and
 no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a plain loop).
 
 The Trainer keeps the run's side of an update (the step counter, skipped steps, the log window); the Updater
@@ -209,10 +209,10 @@ class Updater:
     def _to_mean(self, n, world_size: int):
         """Scale the window's summed-loss gradients so far by world_size / n, and return that factor for the last
         micro-batch's loss. DDP: n is K, the previous update's items per rank (the same on every rank), and
-        world_size 1; _correct turns DDP's average into the mean over every item. FSDP: n is the global count N, after the DTensor
-        shards were averaged over ranks. Either way what a compressing comm hook sees (fp16: cast before the
-        division) is of mean size, not item-count times larger (inf above fp16's 65504). clamp: a window with no
-        items leaves the gradients at zero."""
+        world_size 1; _correct turns DDP's average into the mean over every item. FSDP: n is the global count N,
+        after the DTensor shards were averaged over ranks. Either way what a compressing comm hook sees (fp16: cast
+        before the division) is of mean size, not item-count times larger (inf above fp16's 65504). clamp: a
+        window with no items leaves the gradients at zero."""
         n = torch.as_tensor(n, dtype=torch.float32, device=self.accelerator.device)
         scale = world_size / n.clamp(min=1)
         grads = [q.grad for q in self.params if q.grad is not None]
