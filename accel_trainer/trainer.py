@@ -558,8 +558,7 @@ class Trainer:
             "per_device_train_batch_size": self.args.per_device_train_batch_size,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "seed": self.args.seed,
-            # update.py's K (items per rank of the last update): a resumed DDP run scales its gradients the same
-            "items_per_rank": None if self.updater.reference is None else float(self.updater.reference),
+            **self.updater.state(),  # update.py's K: a resumed DDP run scales its gradients the same
         }
 
     def save_checkpoint(self) -> str:
@@ -645,8 +644,7 @@ class Trainer:
         )  # fmt: skip
         self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
         self.progress.batch_in_epoch = position
-        if state.get("items_per_rank") is not None and self.updater.ddp is not None:
-            self.updater.reference = torch.tensor(state["items_per_rank"], device=self.accelerator.device)
+        self.updater.load(state)
         if self.streaming:  # this rank's epoch, batch counter and stream position (they differ by rank)
             self._train_stream.load(path, self.progress)
         moved = "" if state["num_processes"] == self.accelerator.num_processes else (

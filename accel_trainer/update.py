@@ -19,8 +19,9 @@ the same counts as the previous update (fixed-size batches, the usual case) that
 is multiplied. So DDP runs its own all-reduce, with no Python comm hook, and nothing waits in the middle of the
 backward (bench/scaling.py: the 2-process step went from 1.5-3% slower than a hand-written DDP loop's to 0-2%;
 docs/observability.md). The first update of a run (no previous count) waits for N before its backward; K is saved
-in checkpoints, so a resumed run scales as the uninterrupted one did (bit-identical). Under FSDP the scaling comes after the last backward. With one process and
-no accumulation the mean loss is already that, and we skip the bookkeeping (no cost over a plain loop).
+in checkpoints (`state` / `load`), so a resumed run scales as the uninterrupted one did (bit-identical). Under FSDP
+the scaling comes after the last backward. With one process and no accumulation the mean loss is already that, and
+we skip the bookkeeping (no cost over a plain loop).
 
 The Trainer keeps the run's side of an update (the step counter, skipped steps, the log window); the Updater
 owns what one update needs from one call to the next: the fast-path choices, the item reference K and the last
@@ -72,6 +73,16 @@ class Updater:
         self.ddp = ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else None
         self.reference = None  # K: the previous update's items per rank (a tensor; None: not known yet)
         self.grad_norm = None
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the Updater: K (update.py's docstring), None before the first DDP update."""
+        return {"items_per_rank": None if self.reference is None else float(self.reference)}
+
+    def load(self, state: dict):
+        """Resume with a checkpoint's K (none in a checkpoint from a run without DDP, or from before K was saved:
+        the first update then waits for its own count)."""
+        if state.get("items_per_rank") is not None and self.ddp is not None:
+            self.reference = torch.tensor(state["items_per_rank"], device=self.accelerator.device)
 
     def __call__(self, window: list, schedule: bool = True) -> Result:
         loss_mean, n_sum = self._forward_backward(window)
