@@ -39,4 +39,5 @@ class Events:
         return bool(self._handlers.get(event))
 
     def fire(self, event: str, *args) -> list:
-        return [handler(*args) for handler in self._handlers.get(event, ())]
+        handlers = self._handlers.get(event)
+        return [handler(*args) for handler in handlers] if handlers else []  # no comprehension when none: per update

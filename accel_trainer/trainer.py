@@ -39,7 +39,7 @@ from .errors import UserError
 from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
 from .runlog import Reporter, library_versions, topology
-from .throughput import Meter, detected_peak_tflops
+from .throughput import Meter, detected_peak_tflops, host_floats
 from .update import Updater, is_plain_torch, registered_comm_hook
 
 PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best")
@@ -471,21 +471,15 @@ class Trainer:
         window = self._log_window
         # --nan_policy stop checks the updates' gradient norms with their losses.
         checked = [i for i, (_, g, _) in enumerate(window) if g is not None] if self.args.nan_policy == "stop" else []
-        # One stack, one copy to the host and one finiteness test for the whole window (each tensor op is a few us
-        # per row; bench/overhead.py's log rows).
-        values = [v for v, _, _ in window] + [window[i][1] for i in checked]
-        if not all(torch.is_tensor(v) and v.dtype == torch.float32 and v.dim() == 0 for v in values):
-            values = [torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in values]  # e.g. bf16 losses
-        values = torch.stack(values).cpu()
+        # One stack and one copy to the host for the whole window; the rest is arithmetic on Python floats (each
+        # tensor op costs more than a row's Python: throughput.host_floats).
+        values = host_floats([v for v, _, _ in window] + [window[i][1] for i in checked])
         losses = values[: len(window)]
-        all_finite = bool(torch.isfinite(values).all())
+        all_finite = all(map(math.isfinite, values))
         if not all_finite and self.args.nan_policy == "stop":
-            self._stop_if_not_finite(losses, dict(zip(checked, values[len(window) :].tolist())))
-        if all_finite:
-            loss = losses.mean().item()
-        else:  # --nan_policy skip: the mean over the finite ones
-            finite = torch.isfinite(losses)
-            loss = losses[finite].mean().item() if finite.any() else math.nan
+            self._stop_if_not_finite(losses, dict(zip(checked, values[len(window) :])))
+        finite = losses if all_finite else [v for v in losses if math.isfinite(v)]  # --nan_policy skip: those
+        loss = sum(finite) / len(finite) if finite else math.nan
         metrics = {
             "loss": loss,
             "learning_rate": self.scheduler.get_last_lr()[0],
@@ -509,7 +503,7 @@ class Trainer:
         """--nan_policy stop: the first update of the log window whose loss, or whose gradient norm (`norms`: index in
         the window -> norm; a finite loss can have NaN/inf gradients, which the step turns into NaN weights), is not
         finite stops the run."""
-        for first, loss in enumerate(losses.tolist()):
+        for first, loss in enumerate(losses):
             norm = norms.get(first, 0.0)
             if math.isfinite(loss) and math.isfinite(norm):
                 continue

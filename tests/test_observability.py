@@ -198,3 +198,61 @@ def test_peak_memory_of_an_accelerator_is_reset_at_each_row(monkeypatch):
     throughput.reset_peak_memory("cuda:0")  # the row: the next window starts
     fake.allocate(50)
     assert throughput.peak_memory_mb("cuda:0") == 150
+
+
+def test_host_floats_takes_any_scalar_mix_in_one_copy_or_one_at_a_time():
+    # The log row's one stack for losses, norms and item counts: bf16 losses beside fp32 norms, (1,)-shaped losses,
+    # int counts, and plain numbers (which cannot be stacked) all come back as the same Python floats.
+    import torch
+
+    from accel_trainer.throughput import host_floats
+
+    bf16 = torch.tensor(2.3, dtype=torch.bfloat16)
+    cases = [
+        [torch.tensor(1.5), torch.tensor(2.5)],
+        [bf16, torch.tensor(0.25)],
+        [torch.tensor([1.5]), torch.tensor([3.0])],
+        [torch.tensor(7), torch.tensor(9.5)],
+        [torch.tensor(1.5), 2, 3.25],
+        [torch.tensor(float("nan")), torch.tensor(float("inf"))],
+    ]
+    for values in cases:
+        got = host_floats(values)
+        assert all(type(v) is float for v in got), (values, got)
+        want = [float(v) for v in values]
+        assert [str(v) for v in got] == [str(v) for v in want], (values, got)  # str: NaN == NaN
+    assert host_floats([]) == []
+    with pytest.raises((ValueError, RuntimeError)):
+        host_floats([torch.ones(2)])  # not a scalar: an error, not a silent first element
+
+
+def test_item_counts_that_are_numbers_and_tensors_add_up_in_the_row():
+    import torch
+
+    from accel_trainer.throughput import Meter
+
+    meter = Meter(_Accelerator())
+    for items in (10, torch.tensor(20), torch.tensor(30.0), 40):
+        meter.updated(8, items)
+    row = meter.row()
+    # rate x seconds per update x updates: the count itself
+    assert row["items_per_second"] * row["step_time_s"] * 4 == pytest.approx(100)
+    assert row["samples_per_second"] * row["step_time_s"] == pytest.approx(8)
+
+
+def test_batch_size_is_accelerates_find_batch_size():
+    from collections import UserDict
+
+    import torch
+    from accelerate.utils import find_batch_size
+
+    from accel_trainer.update import batch_size
+
+    x, y = torch.zeros(5, 3), torch.zeros(5, dtype=torch.long)
+    for batch in ([x, y], (x, y), {"input_ids": x, "labels": y}, [{"a": x}], UserDict({"a": x}), x):
+        assert batch_size(batch) == find_batch_size(batch) == 5
+    for bad in ([], {}, ["text"]):
+        with pytest.raises((ValueError, TypeError)):
+            find_batch_size(bad)
+        with pytest.raises((ValueError, TypeError)):
+            batch_size(bad)
