@@ -493,9 +493,10 @@ class Trainer:
         metrics.update(self.meter.row())  # throughput, step time, data wait, memory (mfu): a gather on N ranks
         self._log_window = []
         if progress_bar is not None and not progress_bar.disable:
-            # No refresh of its own: the row's progress_bar.write below redraws the bar (~25 us a row less).
-            progress_bar.set_postfix(
-                loss=f"{metrics['loss']:.4g}", samples_s=f"{metrics['samples_per_second']:.4g}", refresh=False
+            # What set_postfix(loss=..., samples_s=...) shows, without its OrderedDict and number checks (~20K CPU
+            # instructions a row, callgrind); no refresh of its own: the row's progress_bar.write redraws the bar.
+            progress_bar.set_postfix_str(
+                f"loss={metrics['loss']:.4g}, samples_s={metrics['samples_per_second']:.4g}", refresh=False
             )
         return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress_bar)
 

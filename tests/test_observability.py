@@ -205,7 +205,7 @@ def test_host_floats_takes_any_scalar_mix_in_one_copy_or_one_at_a_time():
     # int counts, and plain numbers (which cannot be stacked) all come back as the same Python floats.
     import torch
 
-    from accel_trainer.throughput import host_floats
+    from accel_trainer.throughput import host_floats, stacked_floats
 
     bf16 = torch.tensor(2.3, dtype=torch.bfloat16)
     cases = [
@@ -216,14 +216,15 @@ def test_host_floats_takes_any_scalar_mix_in_one_copy_or_one_at_a_time():
         [torch.tensor(1.5), 2, 3.25],
         [torch.tensor(float("nan")), torch.tensor(float("inf"))],
     ]
-    for values in cases:
-        got = host_floats(values)
-        assert all(type(v) is float for v in got), (values, got)
-        want = [float(v) for v in values]
-        assert [str(v) for v in got] == [str(v) for v in want], (values, got)  # str: NaN == NaN
-    assert host_floats([]) == []
-    with pytest.raises((ValueError, RuntimeError)):
-        host_floats([torch.ones(2)])  # not a scalar: an error, not a silent first element
+    for convert in (host_floats, stacked_floats):  # stacked_floats: what host_floats does on an accelerator
+        for values in cases:
+            got = convert(values)
+            assert all(type(v) is float for v in got), (values, got)
+            want = [float(v) for v in values]
+            assert [str(v) for v in got] == [str(v) for v in want], (values, got)  # str: NaN == NaN
+        assert convert([]) == []
+        with pytest.raises((ValueError, RuntimeError)):
+            convert([torch.ones(2)])  # not a scalar: an error, not a silent first element
 
 
 def test_item_counts_that_are_numbers_and_tensors_add_up_in_the_row():
