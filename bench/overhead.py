@@ -33,6 +33,14 @@ ends after a device sync. From the same run it also prints:
     python bench/overhead.py                # ~2 minutes on a 2-core CPU
     python bench/overhead.py --cpu          # the CPU on a GPU machine
     python bench/overhead.py --width 1 --rounds 8 --steps 1000   # the loops' own cost in us per update
+    python bench/overhead.py --instructions                       # the same, in CPU instructions (callgrind)
+
+--instructions counts, instead of timing, the CPU instructions of 100 updates of plain, trainer, plain+ and defaults
+(after 10 updates of warm-up), each row in its own process under valgrind's callgrind, started and stopped by
+client requests at update ends (a 2-function C helper built with gcc). A count does not move with the machine's
+speed: on this project's noisy VMs the width-512 times move +-4% between rounds, more than the 1% to resolve. tqdm
+redraws on a timer, which valgrind's ~50x slower clock would multiply: the rows run with TQDM_MININTERVAL=1e9 (the
+bar is redrawn by each log row's write only). Needs valgrind (with its headers) and gcc; user-space instructions only.
 
 The last line, `RESULT {...}`, is the same as JSON (bench/gpu.py's overhead row reads it).
 """
@@ -46,6 +54,8 @@ import gc
 import json
 import os
 import pty
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,6 +75,7 @@ BATCH, SAMPLES, LR = 64, 64 * 64, 1e-3  # samples per step, samples per epoch, A
 SEED = TrainingArguments.seed  # the Trainer's default --seed: its DataLoader shuffles with a generator seeded by it
 CLIP, EVERY = 1.0, 10  # a user's defaults: clipping at 1.0, a log row every 10 updates
 CPU = False  # --cpu
+ON_UPDATE = None  # --instructions' child: called with the update count after each update (plain loops and Trainer)
 WIDTH = 512  # hidden width; the memory runs use MEMORY_WIDTH
 MEMORY_WIDTH, MEMORY_STEPS = 4096, 30  # 17 M parameters: ~270 MB of weights, gradients and AdamW state, so that
 # the comparison is of what the loops keep, not of malloc's few-MB noise (5-11 MB between runs at width 512)
@@ -125,15 +136,18 @@ def plain(steps: int, user: bool = False):
     bar = tqdm(total=steps, disable=not user)
 
     def after_update(step, loss):
-        bar.update(1)
-        if step % EVERY == 0:
-            bar.write(f"step {step} loss {loss.item():.4f}")
+        if user:
+            bar.update(1)
+            if step % EVERY == 0:
+                bar.write(f"step {step} loss {loss.item():.4f}")
+        if ON_UPDATE is not None:
+            ON_UPDATE(step)
 
     t0 = clock()
     # The batch moves to the device in the loss, as Accelerate's prepared loader does for the other two.
     loss = lambda m, b: cross_entropy(m, [t.to(device) for t in b])  # noqa: E731
     hand_written_loop(model, shuffled(data), loss, opt, sched, steps, max_grad_norm=CLIP if user else 0.0,
-                      after_update=after_update if user else None)  # fmt: skip
+                      after_update=after_update if user or ON_UPDATE else None)  # fmt: skip
     sync(device)
     t = per_step(t0, steps)
     bar.close()
@@ -180,6 +194,8 @@ def trainer(steps: int, user: bool = False):
             ),
             quiet=not user,
         )
+        if ON_UPDATE is not None:
+            t.on("update_end", lambda trainer: ON_UPDATE(trainer.global_step))
         t0 = clock()
         t.fit()  # includes one final log line and writing model.safetensors (~1 ms in all)
         return per_step(t0, steps), t.accelerator.unwrap_model(t.model)
@@ -276,6 +292,56 @@ def _measure_memory(name: str, steps: int):
     print(f"PEAK_MB {peak[0] - before:.3f}")
 
 
+CALLGRIND_HELPER = """
+#include <valgrind/callgrind.h>
+void count_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void count_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS_AT("counted"); }
+"""
+COUNTED_ROWS, WARM_UPDATES, COUNTED_UPDATES = ("plain", "trainer", "plain+", "defaults"), 10, 100
+
+
+def _count(name: str, helper: str):
+    """--instructions' child, under callgrind: a first run (imports, first calls), then a run whose updates
+    WARM_UPDATES+1 .. WARM_UPDATES+COUNTED_UPDATES are counted, from one update's end to another's."""
+    global ON_UPDATE
+    lib = ctypes.CDLL(helper)
+    run(name, 30)
+
+    def tick(step):
+        if step == WARM_UPDATES:
+            lib.count_start()
+        elif step == WARM_UPDATES + COUNTED_UPDATES:
+            lib.count_stop()
+
+    ON_UPDATE = tick
+    run(name, WARM_UPDATES + COUNTED_UPDATES + 10)
+
+
+def count_instructions(threads: int) -> dict:
+    """{row: instructions per update}, each row in its own process under callgrind."""
+    missing = [tool for tool in ("valgrind", "gcc") if shutil.which(tool) is None]
+    if missing:
+        sys.exit(f"--instructions needs {' and '.join(missing)} (Debian: apt-get install valgrind gcc).")
+    counts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        helper = os.path.join(tmp, "count.so")
+        gcc = ["gcc", "-O2", "-shared", "-fPIC", "-x", "c", "-", "-o", helper]
+        built = subprocess.run(gcc, input=CALLGRIND_HELPER, capture_output=True, text=True)
+        if built.returncode != 0:
+            sys.exit(f"--instructions: building the callgrind helper failed (valgrind's headers?):\n{built.stderr}")
+        env = dict(os.environ, TQDM_MININTERVAL="1e9", PYTHONHASHSEED="0", OMP_NUM_THREADS=str(threads))
+        for name in COUNTED_ROWS:
+            cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/cg.%p",
+                   sys.executable, os.path.abspath(__file__), "--_count", name, "--_helper", helper,
+                   "--width", str(WIDTH), "--threads", str(threads)] + (["--cpu"] if CPU else [])  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            found = re.search(r"Collected : (\d+)", out.stderr)
+            if out.returncode != 0 or not found:
+                sys.exit(f"--instructions: the {name} row failed under valgrind:\n{out.stderr[-3000:]}")
+            counts[name] = int(found.group(1)) / COUNTED_UPDATES
+    return counts
+
+
 def main():
     global CPU, WIDTH
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -290,7 +356,10 @@ def main():
         "per update are the loops' own cost, with less of the kernels' run-to-run noise",
     )
     p.add_argument("--cpu", action="store_true", help="the CPU even where there is a GPU")
+    p.add_argument("--instructions", action="store_true", help="count CPU instructions per update (callgrind)")
     p.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_count", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_helper", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     CPU, WIDTH = a.cpu, a.width
     torch.set_num_threads(a.threads)
@@ -300,6 +369,22 @@ def main():
     cpu_allocator.keep_freed_memory(training_device(CPU).type)
     if a._memory:
         _measure_memory(a._memory, a.steps)
+        return
+    if a._count:
+        with on_a_terminal() if a._count in ON_A_TERMINAL else contextlib.nullcontext():
+            _count(a._count, a._helper)
+        return
+    if a.instructions:
+        n = count_instructions(a.threads)
+        print(
+            f"torch {torch.__version__}, {training_device(CPU).type}, {a.threads} thread(s), MLP 256-{WIDTH}-{WIDTH}-10,"
+            f" CPU instructions per update (callgrind, user space, updates {WARM_UPDATES + 1}-"
+            f"{WARM_UPDATES + COUNTED_UPDATES})"
+        )
+        for name, base in (("plain", None), ("trainer", "plain"), ("plain+", "plain"), ("defaults", "plain+")):
+            vs = f"  {n[name] - n[base]:+10,.0f} = {n[name] / n[base]:.4f}x {base}" if base else ""
+            print(f"  {name:8s} {n[name]:12,.0f}{vs}")
+        print("RESULT " + json.dumps({"width": WIDTH, "instructions_per_update": n}), flush=True)
         return
     for name in LOOPS:  # warm-up: imports, allocator, first-call costs
         run(name, 50)
