@@ -33,7 +33,7 @@ ends after a device sync. From the same run it also prints:
     python bench/overhead.py                # ~2 minutes on a 2-core CPU
     python bench/overhead.py --cpu          # the CPU on a GPU machine
     python bench/overhead.py --width 1 --rounds 8 --steps 1000   # the loops' own cost in us per update
-    python bench/overhead.py --instructions                       # the same, in CPU instructions (callgrind)
+    python bench/overhead.py --instructions --width 1  # the same in CPU instructions (callgrind), ~2 minutes
 
 --instructions counts, instead of timing, the CPU instructions of 100 updates of plain, trainer, plain+ and defaults
 (after 10 updates of warm-up), each row in its own process under valgrind's callgrind, started and stopped by
@@ -41,6 +41,8 @@ client requests at update ends (a 2-function C helper built with gcc). A count d
 speed: on this project's noisy VMs the width-512 times move +-4% between rounds, more than the 1% to resolve. tqdm
 redraws on a timer, which valgrind's ~50x slower clock would multiply: the rows run with TQDM_MININTERVAL=1e9 (the
 bar is redrawn by each log row's write only). Needs valgrind (with its headers) and gcc; user-space instructions only.
+At the default width 512 the kernels run under valgrind too (over 5 minutes a row here), and valgrind's CPU has no
+AVX-512, so their instructions are not this CPU's: --width 1 is the measure of the loops' own cost.
 
 The last line, `RESULT {...}`, is the same as JSON (bench/gpu.py's overhead row reads it).
 """
