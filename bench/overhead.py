@@ -379,9 +379,9 @@ def main():
     if a.instructions:
         n = count_instructions(a.threads)
         print(
-            f"torch {torch.__version__}, {training_device(CPU).type}, {a.threads} thread(s), MLP 256-{WIDTH}-{WIDTH}-10,"
-            f" CPU instructions per update (callgrind, user space, updates {WARM_UPDATES + 1}-"
-            f"{WARM_UPDATES + COUNTED_UPDATES})"
+            f"torch {torch.__version__}, {training_device(CPU).type}, {a.threads} thread(s), "
+            f"MLP 256-{WIDTH}-{WIDTH}-10, CPU instructions per update (callgrind, user space, updates "
+            f"{WARM_UPDATES + 1}-{WARM_UPDATES + COUNTED_UPDATES})"
         )
         for name, base in (("plain", None), ("trainer", "plain"), ("plain+", "plain"), ("defaults", "plain+")):
             vs = f"  {n[name] - n[base]:+10,.0f} = {n[name] / n[base]:.4f}x {base}" if base else ""
