@@ -242,21 +242,3 @@ def test_item_counts_that_are_numbers_and_tensors_add_up_in_the_row():
     # rate x seconds per update x updates: the count itself
     assert row["items_per_second"] * row["step_time_s"] * 4 == pytest.approx(100)
     assert row["samples_per_second"] * row["step_time_s"] == pytest.approx(8)
-
-
-def test_batch_size_is_accelerates_find_batch_size():
-    from collections import UserDict
-
-    import torch
-    from accelerate.utils import find_batch_size
-
-    from accel_trainer.update import batch_size
-
-    x, y = torch.zeros(5, 3), torch.zeros(5, dtype=torch.long)
-    for batch in ([x, y], (x, y), {"input_ids": x, "labels": y}, [{"a": x}], UserDict({"a": x}), x):
-        assert batch_size(batch) == find_batch_size(batch) == 5
-    for bad in ([], {}, ["text"]):
-        with pytest.raises((ValueError, TypeError)):
-            find_batch_size(bad)
-        with pytest.raises((ValueError, TypeError)):
-            batch_size(bad)
