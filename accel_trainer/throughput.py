@@ -146,8 +146,8 @@ class Meter:
     def _reset(self, now: float):
         reset_peak_memory(self.accelerator.device)  # the next row's peak is its window's, not the run's
         self.since, self.updates, self.samples, self.wait_s, self.excluded_s = now, 0, 0, 0.0, 0.0
-        self.items: list = []  # the updates' item counts that are device tensors: summed at the row, no sync before
-        self.counted_items = 0  # and those that are numbers
+        # The updates' item counts: numbers are summed as they come, device tensors at the row (no sync before).
+        self.item_count, self.item_tensors = 0, []
 
     def restart(self):
         """At the start of fit(): set-up and notebook steps before it are not training time."""
@@ -171,9 +171,9 @@ class Meter:
         self.updates += 1
         self.samples += samples
         if isinstance(items, torch.Tensor):
-            self.items.append(items)
+            self.item_tensors.append(items)
         else:
-            self.counted_items += items
+            self.item_count += items
 
     def count_flops(self):
         """A context for the first update: counts its FLOPs while it runs (None afterwards: nothing to do)."""
@@ -191,7 +191,7 @@ class Meter:
         now = time.perf_counter()
         elapsed = max(now - self.since - self.excluded_s, 1e-9)
         acc = self.accelerator
-        items = self.counted_items + sum(host_floats(self.items))
+        items = self.item_count + sum(host_floats(self.item_tensors))
         mfu = (
             self.flops_per_update * self.updates / elapsed / (self.peak_tflops * 1e12)
             if self.flops_per_update and self.peak_tflops

@@ -471,8 +471,8 @@ class Trainer:
         window = self._log_window
         # --nan_policy stop checks the updates' gradient norms with their losses.
         checked = [i for i, (_, g, _) in enumerate(window) if g is not None] if self.args.nan_policy == "stop" else []
-        # One stack and one copy to the host for the whole window; the rest is arithmetic on Python floats (each
-        # tensor op costs more than a row's Python: throughput.host_floats).
+        # The window's values as Python floats in one call (throughput.host_floats: no host sync per value on an
+        # accelerator); the finiteness test and the mean are arithmetic on the list, not tensor ops.
         values = host_floats([v for v, _, _ in window] + [window[i][1] for i in checked])
         losses = values[: len(window)]
         all_finite = all(map(math.isfinite, values))
