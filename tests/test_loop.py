@@ -194,3 +194,25 @@ def test_events_fire_in_order_and_evaluate_end_adds_metrics(tmp_path):
     assert final["eval_extra"] == 1.0 and "eval_rmse" in final  # ours and the recipe's on_evaluate_end
     with pytest.raises(ValueError, match="Unknown event 'update_start'"):
         t.on("update_start", print)
+
+
+def test_nan_skip_logs_the_mean_of_the_finite_losses_of_a_window(tmp_path):
+    """--nan_policy skip: a log row over updates some of which were skipped shows the mean of the finite losses
+    only (not NaN, not a mean that counts the skipped ones)."""
+    calls = {"n": 0}
+
+    def loss(model, batch):  # NaN in the 1st and 3rd updates
+        value, n = regression.loss(model, batch)
+        calls["n"] += 1
+        return (value * float("nan") if calls["n"] in (1, 3) else value), n
+
+    recipe = types.SimpleNamespace(
+        **{k: getattr(regression, k) for k in ("Args", "build_model", "build_data", "defaults")}
+    )
+    recipe.loss, recipe.name = loss, "nan_some"
+    t = Trainer.from_recipe(recipe, output_dir=str(tmp_path / "o"), nan_policy="skip", quiet=True)
+    losses = [t.train_step() for _ in range(4)]
+    assert [math.isnan(v) for v in losses] == [True, False, True, False]
+    event = t.log()
+    assert event["step"] == 4 and event["skipped_steps"] == 2
+    assert event["loss"] == pytest.approx((losses[1] + losses[3]) / 2, rel=1e-6)
