@@ -95,6 +95,7 @@ class Updater:
             torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
         ):
             stepped, self.grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
+            self._end_scaler_iteration()
         else:
             stepped = self._optimizer_step()
         if stepped:
@@ -155,6 +156,18 @@ class Updater:
         if self.accelerator.scaler is not None:
             self.accelerator.scaler.unscale_(self.inner_opt)
         return torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+
+    def _end_scaler_iteration(self):
+        """fp16, an update skipped for a non-finite loss: end the GradScaler's iteration as a step would, or the next
+        update's unscale_ raises "unscale_() has already been called" (clipping unscaled this one). unscale_ (unless
+        clipping did) records whether the gradients are finite; update() then backs the scale off when they are
+        not, as GradScaler does for a step it skips (a non-finite loss almost always has non-finite gradients)."""
+        scaler = self.accelerator.scaler
+        if scaler is None:
+            return
+        if self.max_grad_norm <= 0:  # _clip did not unscale (Accelerate's FSDP clipping unscales too)
+            scaler.unscale_(self.inner_opt)
+        scaler.update()
 
     def _checked_norm(self):
         """The global gradient norm that --nan_policy checks with the loss: a finite loss can still give
