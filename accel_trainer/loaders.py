@@ -48,7 +48,8 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
             return None
         if streaming.is_iterable_dataset(dataset):
             batches = _stream_loader(dataset, train, data, args, recipe_name)
-            stream = streaming.Stream(batches, accelerator.process_index)
+            group = streaming.epoch_group(accelerator, args.ddp_timeout)
+            stream = streaming.Stream(batches, accelerator.process_index, group)
             return batches
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(
