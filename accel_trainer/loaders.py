@@ -74,7 +74,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
                 num_workers=args.dataloader_num_workers,
                 batch_size=batch_size,
                 drop_last=drop_last,
-                pin_memory=torch.cuda.is_available(),
+                pin_memory=torch.cuda.is_available(),  # copied with non_blocking (accel.py's DataLoaderConfiguration)
                 # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a
                 # resumed run would see other random numbers than the uninterrupted one.
                 generator=torch.Generator().manual_seed(args.seed),
@@ -158,7 +158,7 @@ def epoch_batches(loader, epoch: int, skip: int, accelerator, stream: bool = Fal
     """An iterator over epoch `epoch` of the train loader from batch `skip` on, on the device."""
     if stream:  # fetch_batch(): the stream from its current position (which is the loader's)
         streaming.set_epoch(loader, epoch)
-        return (send_to_device(b, accelerator.device) for b in loader)
+        return (send_to_device(b, accelerator.device, non_blocking=loader.pin_memory) for b in loader)
     loader.set_epoch(epoch)  # the order is a function of (seed, epoch) only
     if skip == 0:
         return iter(loader)

@@ -64,7 +64,7 @@ def stream_loader(dataset, *, batch_size: int, collate, num_workers: int, drop_l
         collate_fn=collate,
         num_workers=num_workers,
         drop_last=drop_last,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=torch.cuda.is_available(),  # then Stream.windows copies to the GPU with non_blocking
         # Own generator: creating an iterator must not draw from the global RNG (dropout's).
         generator=torch.Generator().manual_seed(seed),
     )
@@ -149,7 +149,7 @@ class Stream:
                     progress.epoch, progress.batch_in_epoch, self.state = progress.epoch + 1, 0, None
                 else:
                     progress.batch_in_epoch, self.state = progress.batch_in_epoch + len(window), state
-                yield [send_to_device(b, device) for b in window]
+                yield [send_to_device(b, device, non_blocking=self.loader.pin_memory) for b in window]
 
     def save(self, folder: str, progress):
         """This rank's position: its epoch and batch counters and the loader's state (plain containers, ints and
