@@ -112,7 +112,11 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         # A sampler seeded from (seed, epoch) alone: the same order on any world size, and resumable. (The train
         # loader brings one with this order, loaders.train_sampler; this covers a shuffling DataLoader that a
         # recipe or notebook prepares with this accelerator.)
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        # non_blocking: the train and eval loaders pin their batches on a GPU machine (loaders.py); a blocking copy
+        # of a pinned batch would wait for the queued kernels before the next step could be queued.
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=args.seed, non_blocking=torch.cuda.is_available()
+        ),
         fsdp_plugin=plugin,
     )
     sharding.activate_fsdp(accelerator, plugin)  # on CPU, Accelerate would run DDP instead: see sharding.py

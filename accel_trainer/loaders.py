@@ -1,6 +1,7 @@
 """The data loaders of a run, from a recipe's build_data, and the order the loop reads them in:
 
     build_loaders          {"train", "eval"?, "collate"?, "loader"?} -> the train loader, the eval loader, the stream
+    check_lengths_agree    every rank's loaders give the same number of batches (one gather at start-up)
     take                   --max_train_samples / --max_eval_samples, for every kind of dataset
     epoch_batches          one epoch of the train loader from a batch on (a resumed run skips what it has seen)
     accumulation_windows   the micro-batches of each optimizer update, aligned to epoch starts
@@ -20,6 +21,10 @@ from .errors import UserError
 
 
 class ShortEpochError(UserError):
+    pass
+
+
+class UnevenLengthError(UserError):
     pass
 
 
@@ -43,7 +48,8 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
             return None
         if streaming.is_iterable_dataset(dataset):
             batches = _stream_loader(dataset, train, data, args, recipe_name)
-            stream = streaming.Stream(batches, accelerator.process_index)
+            group = streaming.epoch_group(accelerator, args.ddp_timeout)
+            stream = streaming.Stream(batches, accelerator.process_index, group)
             return batches
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(
@@ -68,7 +74,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
                 num_workers=args.dataloader_num_workers,
                 batch_size=batch_size,
                 drop_last=drop_last,
-                pin_memory=torch.cuda.is_available(),
+                pin_memory=torch.cuda.is_available(),  # copied with non_blocking (accel.py's DataLoaderConfiguration)
                 # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a
                 # resumed run would see other random numbers than the uninterrupted one.
                 generator=torch.Generator().manual_seed(args.seed),
@@ -80,6 +86,30 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
 
     train = loader(data["train"], True)
     return train, loader(data.get("eval"), False), stream
+
+
+def check_lengths_agree(accelerator, train_loader, eval_loader, recipe_name: str):
+    """Every rank's train (and eval) loader gives the same number of batches per epoch: each rank computes the run
+    length from its own len(), and every update and evaluation batch is a collective, so a rank with one batch more
+    would wait in one until --ddp_timeout and then be blamed as dead. One all-gather of two numbers at start-up
+    (Accelerate's DataLoaders are even by construction; a recipe's own loader may not be); a mismatch stops every
+    rank in one line naming each rank's count. A stream has no length: streaming.py keeps its ranks together."""
+    if accelerator.num_processes == 1:
+        return
+    lengths = [len(train_loader), -1 if eval_loader is None else len(eval_loader)]
+    counts = accelerator.gather(torch.tensor(lengths, dtype=torch.int64, device=accelerator.device)).view(-1, 2)
+    for column, (name, loader) in enumerate((("train", train_loader), ("eval", eval_loader))):
+        per_rank = counts[:, column].tolist()
+        if len(set(per_rank)) == 1:
+            continue
+        which = "its build_data 'loader'" if not isinstance(loader, DataLoader) else "its DataLoader"
+        ranks = ", ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
+        raise UnevenLengthError(
+            f"The {name} loader of recipe {recipe_name} ({which}) gives each rank another number of batches per "
+            f"epoch ({ranks}); every rank must run the same updates and evaluation batches, or the others wait for "
+            "it until --ddp_timeout. Make its __len__ and __iter__ give every rank the same number of batches "
+            "(drop or pad the remainder)."
+        )
 
 
 def train_sampler(dataset, seed: int) -> DistributedSampler:
@@ -128,7 +158,7 @@ def epoch_batches(loader, epoch: int, skip: int, accelerator, stream: bool = Fal
     """An iterator over epoch `epoch` of the train loader from batch `skip` on, on the device."""
     if stream:  # fetch_batch(): the stream from its current position (which is the loader's)
         streaming.set_epoch(loader, epoch)
-        return (send_to_device(b, accelerator.device) for b in loader)
+        return (send_to_device(b, accelerator.device, non_blocking=loader.pin_memory) for b in loader)
     loader.set_epoch(epoch)  # the order is a function of (seed, epoch) only
     if skip == 0:
         return iter(loader)

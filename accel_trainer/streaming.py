@@ -64,10 +64,20 @@ def stream_loader(dataset, *, batch_size: int, collate, num_workers: int, drop_l
         collate_fn=collate,
         num_workers=num_workers,
         drop_last=drop_last,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=torch.cuda.is_available(),  # then Stream.windows copies to the GPU with non_blocking
         # Own generator: creating an iterator must not draw from the global RNG (dropout's).
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def epoch_group(accelerator, timeout_s: int):
+    """The gloo group on which the ranks agree on epoch ends (Stream); None on one process. Its own group: a CPU
+    all-reduce beside the device's collectives, bounded by --ddp_timeout. Every rank calls it at the same point."""
+    if accelerator.num_processes == 1:
+        return None
+    from datetime import timedelta
+
+    return torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def set_epoch(loader, epoch: int):
@@ -88,15 +98,29 @@ class Stream:
     had ended, does not end that epoch when restored: with workers, torchdata's StatefulDataLoader starts it over
     (seen in tests/test_streaming.py). So each window is handed out only once the next batch is known, an epoch's
     end is recorded as (next epoch, batch 0, no state), and the state saved is the one taken before the look ahead.
+
+    Why the ranks end each epoch together: `datasets` hands each rank its files after reordering them by the epoch,
+    so a rank in epoch e+1 reads files that a rank still in epoch e is reading too (measured: rank 1's second epoch
+    began with rank 0's first block), and others go unread. With several processes every window's look ahead is
+    agreed on (`group`, a gloo group of its own): when any rank's stream has ended, every rank ends the epoch after
+    this window (the rest of a longer stream's epoch is not read). One all-reduce of one number on the host per
+    update, beside the data wait; it never waits for the device.
     """
 
-    def __init__(self, loader, rank: int):
-        self.loader, self.rank, self.state = loader, rank, None
+    def __init__(self, loader, rank: int, group=None):
+        self.loader, self.rank, self.state, self.group = loader, rank, None, group
+
+    def _any_ended(self, ended: bool) -> bool:
+        if self.group is None:
+            return ended
+        flag = torch.tensor([int(ended)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())  # a CPU tensor: no device sync
 
     def windows(self, accumulation: int, device, progress):
         """Yield lists of `accumulation` micro-batches (on `device`) forever: an epoch is one pass over this rank's
         stream (its last window may be shorter), then the next begins. `progress.epoch`/`batch_in_epoch` are this
-        rank's counters (ranks' streams may differ in length, so their epochs need not end together)."""
+        rank's counters; with several processes every rank ends an epoch when the first rank's stream ends."""
         while True:
             set_epoch(self.loader, progress.epoch)
             it, fresh = iter(self.loader), progress.batch_in_epoch == 0
@@ -119,12 +143,13 @@ class Stream:
                 while len(window) < accumulation and (batch := pull()) is not _END:
                     window.append(batch)
                 state = self.loader.state_dict()  # the position right after this window
-                batch = pull()  # look ahead: does the epoch end with this window?
-                if batch is _END:
+                batch = pull()  # look ahead: does the epoch end with this window (on any rank)?
+                if self._any_ended(batch is _END):
+                    batch = _END  # this rank's unread rest of the epoch is dropped with its iterator
                     progress.epoch, progress.batch_in_epoch, self.state = progress.epoch + 1, 0, None
                 else:
                     progress.batch_in_epoch, self.state = progress.batch_in_epoch + len(window), state
-                yield [send_to_device(b, device) for b in window]
+                yield [send_to_device(b, device, non_blocking=self.loader.pin_memory) for b in window]
 
     def save(self, folder: str, progress):
         """This rank's position: its epoch and batch counters and the loader's state (plain containers, ints and

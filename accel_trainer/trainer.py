@@ -290,6 +290,8 @@ class Trainer:
         args = self.args
         if self.streaming:
             return None, None, args.max_steps
+        # before the zero check: a rank that raised alone would leave the others waiting in this collective
+        loaders.check_lengths_agree(self.accelerator, self.train_loader, self.eval_loader, self.recipe.name)
         micro_batches = len(self.train_loader)
         if micro_batches == 0:
             raise UserError(

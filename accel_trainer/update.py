@@ -95,6 +95,7 @@ class Updater:
             torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
         ):
             stepped, self.grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
+            self._end_scaler_iteration()
         else:
             stepped = self._optimizer_step()
         if stepped:
@@ -156,6 +157,18 @@ class Updater:
             self.accelerator.scaler.unscale_(self.inner_opt)
         return torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
 
+    def _end_scaler_iteration(self):
+        """fp16, an update skipped for a non-finite loss: end the GradScaler's iteration as a step would, or the next
+        update's unscale_ raises "unscale_() has already been called" (clipping unscaled this one). unscale_ (unless
+        clipping did) records whether the gradients are finite; update() then backs the scale off when they are
+        not, as GradScaler does for a step it skips (a non-finite loss almost always has non-finite gradients)."""
+        scaler = self.accelerator.scaler
+        if scaler is None:
+            return
+        if self.max_grad_norm <= 0:  # _clip did not unscale (Accelerate's FSDP clipping unscales too)
+            scaler.unscale_(self.inner_opt)
+        scaler.update()
+
     def _checked_norm(self):
         """The global gradient norm that --nan_policy checks with the loss: a finite loss can still give
         non-finite gradients (and NaN weights after the step). None under fp16: an overflow is the scaler's to
@@ -181,8 +194,8 @@ class Updater:
         acc = self.accelerator
         totals = torch.stack(
             [
-                torch.as_tensor(loss_sum, dtype=torch.float32, device=acc.device).reshape(()),
-                torch.as_tensor(n_sum, dtype=torch.float32, device=acc.device).reshape(()),
+                _device_scalar(loss_sum, acc.device),
+                _device_scalar(n_sum, acc.device),
                 self.preemption.vote(),
             ]
         )
@@ -224,7 +237,7 @@ class Updater:
         after the DTensor shards were averaged over ranks. Either way what a compressing comm hook sees (fp16: cast
         before the division) is of mean size, not item-count times larger (inf above fp16's 65504). clamp: a
         window with no items leaves the gradients at zero."""
-        n = torch.as_tensor(n, dtype=torch.float32, device=self.accelerator.device)
+        n = _device_scalar(n, self.accelerator.device)
         scale = world_size / n.clamp(min=1)
         grads = [q.grad for q in self.params if q.grad is not None]
         if grads:
@@ -248,10 +261,24 @@ class Updater:
         if scaler is None:
             self.inner_opt.step()
             return True
-        scale = scaler.get_scale()
+        # The scale only drops when an inf/nan gradient skipped the step: compared on the device, one host read
+        # (the scheduler and the EMA must know). get_scale() before and after was two host syncs per update;
+        # _get_scale_async (private, GradScaler's own read of its scale tensor) is that tensor without the read.
+        scale = scaler._get_scale_async()
+        scale = None if scale is None else scale.clone()  # None: a disabled scaler, which steps as given
         scaler.step(self.inner_opt)
         scaler.update()
-        return scaler.get_scale() >= scale  # the scale only drops when an inf/nan gradient skipped the step
+        return scale is None or bool(scaler._get_scale_async() >= scale)
+
+
+def _device_scalar(value, device) -> torch.Tensor:
+    """A 0-d float32 tensor of `value` (a count or a loss: a Python number or a tensor) on `device`, without a
+    blocking copy: torch.as_tensor(5, device=cuda) builds the tensor on the host and copies it from pageable memory,
+    which waits for every kernel queued before it (here: the window's forwards). A number goes in as a fill
+    kernel's argument; a tensor is cast where it is (the same float32 value either way)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def registered_comm_hook(ddp) -> str | None:

@@ -90,16 +90,22 @@ def resumed_step(output: str) -> int:
     return int(line.split(" at step ")[1].split()[0])
 
 
-@pytest.mark.parametrize("nproc,workers,extra", [(1, 0, []), (2, 2, []), (1, 2, ["--save_async"])])
+# 2 processes: every 5 updates, with 14 of them: the ranks' epochs end together after 5 and 10 updates with this
+# corpus (streaming.Stream), so the checkpoint resumed from (step 10) is at an epoch's end on both ranks.
+@pytest.mark.parametrize(
+    "nproc,workers,extra",
+    [(1, 0, []), (2, 2, ["--save_steps", "5", "--max_steps", "14"]), (1, 2, ["--save_async"])],
+)
 def test_streamed_run_killed_and_resumed_trains_on_the_same_blocks(corpus, tmp_path, launches, nproc, workers, extra):
     # --save_async with a stream: the position saved is the one at the checkpoint's update (checkpoint.py's
     # write_extra runs while training waits; this tiny run's background write ends before the stream moves on, so
     # this case would also have passed with the position taken in the background)
+    save, steps = (5, 14) if nproc == 2 else (SAVE, STEPS)
     args = ["--model_name_or_path", str(corpus / "gpt2"), *STREAM_ARGS, *extra]
     # the reference and the run to be killed side by side (both are mostly start-up time)
     ref = launches(corpus, "causal_lm", args, tmp_path / "ref", nproc, workers)
     victim = launches(corpus, "causal_lm", args, tmp_path / "run", nproc, workers, delay=0.3)
-    victim.wait_until(lambda: os.path.isdir(tmp_path / "run" / "checkpoints" / f"step_{2 * SAVE}"))
+    victim.wait_until(lambda: os.path.isdir(tmp_path / "run" / "checkpoints" / f"step_{2 * save}"))
     victim.stop()
     assert ref.wait() == 0, ref.output()
     assert not os.path.exists(tmp_path / "run" / "model.safetensors")  # killed before the end
@@ -107,15 +113,15 @@ def test_streamed_run_killed_and_resumed_trains_on_the_same_blocks(corpus, tmp_p
         corpus, "causal_lm", [*args, "--resume_from_checkpoint", "latest"], tmp_path / "run", nproc, workers
     )
     assert resumed.wait() == 0, resumed.output()
-    assert resumed_step(resumed.output()) in (2 * SAVE, 3 * SAVE)
+    assert resumed_step(resumed.output()) in (2 * save, 3 * save)
 
     assert world_size(tmp_path / "ref") == world_size(tmp_path / "run") == nproc
     expected, got = records(ref, nproc), records(resumed, nproc)  # {step: (epoch, micro-batches)} per rank
-    if nproc == 2:  # the checkpoint of step 6 is at the end of rank 1's first epoch: the case a restored loader
+    if nproc == 2:  # the checkpoint of step 10 is at the end of an epoch, on both ranks: the case a restored loader
         # got wrong (it started the epoch over) before streaming.Stream looked one batch ahead
-        assert [expected[1][s][0] for s in (2 * SAVE, 2 * SAVE + 1)] == [0, 1]
+        assert all([expected[r][s][0] for s in (2 * save, 2 * save + 1)] == [1, 2] for r in (0, 1)), expected
     for rank in range(nproc):
-        assert sorted(expected[rank]) == list(range(1, STEPS + 1))
+        assert sorted(expected[rank]) == list(range(1, steps + 1))
         assert got[rank] == expected[rank], f"rank {rank} trained on other blocks after the resume"
     assert weights(tmp_path / "run") == weights(tmp_path / "ref")
     if nproc == 2:  # a rank's position in its part of the stream does not move to another world size: refused

@@ -1,6 +1,7 @@
 """The Trainer in-process, as in a notebook: the Python API, resume, EMA, files it writes."""
 
 import json
+import math
 import os
 import sys
 
@@ -202,3 +203,25 @@ def test_a_log_row_takes_losses_of_any_float_dtype_and_shape(tmp_path):
         rows[kind] = t.log()["loss"]
     assert rows["shape1"] == rows["fp32"]
     assert rows["bf16"] == pytest.approx(rows["fp32"], rel=1e-2)  # bf16 rounding of each loss
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.0])
+def test_fp16_a_nan_batch_skipped_with_clipping_leaves_the_scaler_consistent(tmp_path, clip):
+    # fp16 + --nan_policy skip + clipping: clipping unscales the gradients, and a skipped update must still end the
+    # scaler's iteration, or the next update's unscale_ raises "unscale_() has already been called". The skip backs
+    # the scale off as GradScaler does for a non-finite step; the good updates after it step and clip as usual.
+    t = make(tmp_path, max_steps=6, max_grad_norm=clip, nan_policy="skip", lr_scheduler_type="constant")
+    t.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+    weight = t.unwrapped_model[0].weight
+    good = t.fetch_batch()
+    bad = dict(good, x=torch.full_like(good["x"], float("nan")))
+    for step, batch in enumerate([good, bad, good, good]):
+        before = weight.detach().clone()
+        loss = t.train_step(batch)
+        assert torch.equal(before, weight.detach()) == (step == 1)  # only the NaN batch changed nothing
+        assert math.isfinite(loss) == (step != 1)
+    assert t.progress.skipped_steps == 1
+    assert t.accelerator.scaler.get_scale() == 2.0**9  # halved once, by the NaN batch
+    if clip:
+        assert float(t.updater.grad_norm) > clip  # the updates after it were clipped (unscaled first)
+    assert t.log()["skipped_steps"] == 1
