@@ -471,9 +471,14 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
         if not found:
             if spec == "auto":
                 return None
+            ran = any(os.path.exists(os.path.join(output_dir, f)) for f in (MODEL_FILE, "run_config.json"))
             raise CheckpointError(
                 f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_root(output_dir)}. "
-                "Drop the flag to start a new run, or pass the folder of a checkpoint."
+                + (
+                    previous_run_advice(output_dir)
+                    if ran
+                    else "Drop the flag to start a new run, or pass the folder of a checkpoint."
+                )
             )
         errors = []
         for path in reversed(found):
@@ -502,6 +507,26 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
         raise CheckpointError(f"--resume_from_checkpoint {spec}: not a checkpoint of ours ({STATE_FILE} missing).")
     verify_checkpoint(spec)
     return spec
+
+
+def previous_run_advice(output_dir: str) -> str:
+    """What to do with an output_dir that holds a run, naming only ways that work: `latest` where a checkpoint
+    can be continued, never for a run without one (`latest` would then refuse, advising to drop the flag)."""
+    if list_checkpoints(output_dir):
+        return (
+            "Pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to delete it and start "
+            "over, or another --output_dir."
+        )
+    model = os.path.join(output_dir, MODEL_FILE)
+    if os.path.isfile(model):
+        return (
+            f"That run finished and has no checkpoint to continue from; its model is {model}. To train again, pass "
+            "--overwrite_output_dir (deletes that run) or another --output_dir."
+        )
+    return (
+        "It has no checkpoint to continue from (it stopped before its first save): pass --overwrite_output_dir to "
+        "delete it and start over, or another --output_dir."
+    )
 
 
 def resolve_on_main(accelerator, spec: str, output_dir: str) -> str | None:
