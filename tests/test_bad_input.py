@@ -94,6 +94,28 @@ def test_finished_run_without_checkpoints_gets_advice_that_is_not_circular(resum
     assert '"step": 2' in (out / "metrics.jsonl").read_text()
 
 
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_a_tracker_asked_for_and_not_installed_stops_at_start_up(tracker, capsys, tmp_path, monkeypatch):
+    # Accelerate drops a tracker whose package is missing with a warning: the run logged nothing there and
+    # exited 0, while run_config.json recorded it. Here no tracker package is installed, as Accelerate sees it.
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "_available_trackers", [])
+    out = tmp_path / "o"
+    code, err = fail(["--output_dir", str(out), "--max_steps", "2", "--report_to", tracker], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    assert f"--report_to {tracker}" in errors[0] and f"pip install {tracker}" in errors[0], errors[0]
+    assert not out.exists() or not os.listdir(out)  # stopped before anything was written
+
+
+def test_an_unknown_tracker_name_is_one_line(capsys, tmp_path):
+    code, err = fail(["--output_dir", str(tmp_path / "o"), "--max_steps", "2", "--report_to", "tensorbord"], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    assert "tensorbord" in errors[0] and "tensorboard" in errors[0].partition("tensorbord")[2], errors[0]
+
+
 def test_args_file_with_overrides(tmp_path):
     cfg = tmp_path / "args.yaml"
     cfg.write_text(f"output_dir: {tmp_path / 'o'}\nmax_steps: 4\nlearning_rate: 0.5\nhidden_size: 8\n")
