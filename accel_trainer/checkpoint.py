@@ -165,7 +165,9 @@ def save_checkpoint(
 
     if async_writer is not None:
         with disk_full_is_one_line(output_dir, what, tmp):
-            async_writer.start(tmp, commit, on_staged, guard=lambda: disk_full_is_one_line(output_dir, what, tmp))
+            # Only a full disk becomes a message here: the writer names any other failure itself ("in the background").
+            guard = lambda: disk_full_is_one_line(output_dir, what, tmp, others=False)  # noqa: E731
+            async_writer.start(tmp, commit, on_staged, guard=guard)
         return final
     if on_staged is not None:
         on_staged(tmp)
@@ -218,19 +220,21 @@ def _cannot_pickle(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None):
+def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None, others: bool = True):
     """A write under output_dir that fails for a known cause becomes one line saying which, where, and which
     checkpoint is the last good one (the newest complete one, which a failed write never touches):
     DiskFullError for a full disk (the partial folder or file is deleted, giving its space back), WriteError
-    for a file that cannot be written (permissions, a read-only mount) or an object that cannot be pickled.
-    Anything else re-raises as it is."""
+    for a file that cannot be written (permissions, a read-only mount) or an object that cannot be pickled
+    (`others=False`: these re-raise, for a caller that names them itself). Anything else re-raises as it is."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 - only the causes above become a message; anything else re-raises
         good = list_checkpoints(output_dir)
         full = is_disk_full(e, output_dir, _folder_size(good[-1]) if good else 0)
         pickling = not full and _cannot_pickle(e)
-        if not (full or pickling or isinstance(e, OSError) or any(s in str(e) for s in _WRITE_FAILED)):
+        if not full and not (
+            others and (pickling or isinstance(e, OSError) or any(s in str(e) for s in _WRITE_FAILED))
+        ):
             raise
         last = f"the last good checkpoint is step {_step_of(good[-1])} ({good[-1]})" if good else "no checkpoint yet"
         then = "resume with --resume_from_checkpoint latest" if good else "run it again"
@@ -248,8 +252,9 @@ def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None
                 f"Writing {what} failed: {where}: an object cannot be pickled ({type(e).__name__}: {first}); "
                 f"{last}. Make that object picklable or keep it out of the saved state, then {then}."
             ) from None
+        cause = getattr(e, "strerror", None) or first
         raise WriteError(
-            f"Writing {what} failed: {where}: {first} ({type(e).__name__}); {last}. Make {os.path.dirname(where)} "
+            f"Writing {what} failed: {where}: {cause} ({type(e).__name__}); {last}. Make {os.path.dirname(where)} "
             f"writable (its permissions, a read-only mount, a locked file), then {then}."
         ) from None
 
