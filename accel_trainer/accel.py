@@ -19,7 +19,7 @@ from accelerate.utils import (
 )
 
 from . import precision, sharding
-from .args import TrainingArguments
+from .args import TrainingArguments, tracker_problem
 from .errors import UserError
 from .world import launched_world_size
 
@@ -70,6 +70,9 @@ def process_group_kwargs(timeout_s: float):
 
 
 def build_accelerator(args: TrainingArguments) -> Accelerator:
+    problem = tracker_problem(args.trackers)  # before anything is written: a run that would log nowhere
+    if problem:
+        raise UserError(problem)
     # On a machine without CUDA, Accelerate only forms a multi-process (gloo) world when told cpu=True;
     # otherwise every launched process silently becomes its own world of size 1 (measured with accelerate 1.15).
     cpu = args.use_cpu or (launched_world_size() > 1 and not torch.cuda.is_available())

@@ -48,6 +48,33 @@ def _canonical_report_to(value) -> str:
     return ",".join(names) or "none"
 
 
+# What `pip install` needs for each of Accelerate's trackers (its LoggerType names).
+TRACKER_PACKAGES = {"tensorboard": "tensorboard (or tensorboardX)", "comet_ml": "comet_ml"}
+
+
+def tracker_problem(trackers) -> str | None:
+    """The one line refusing --report_to (TrainingArguments.trackers) when a tracker it names cannot log here, or
+    None. Accelerate drops a tracker whose package is missing with a warning and the run logs nothing to it, and
+    raises a ValueError traceback for an unknown name. "all" takes whatever is installed, as Accelerate does."""
+    if not trackers or trackers == "all":
+        return None
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    known = sorted(t.value for t in LoggerType if t.value != "all")
+    available = {str(getattr(t, "value", t)) for t in get_available_trackers()}
+    for name in trackers:
+        if name not in known:
+            return f"--report_to {name}: not a tracker Accelerate knows; use {', '.join(known)}, 'all' or 'none'."
+        if name not in available:
+            return (
+                f"--report_to {name}: its package is not installed here, so nothing would be logged there. "
+                f"Install it (pip install {TRACKER_PACKAGES.get(name, name)}) or drop {name} from --report_to "
+                "(metrics.jsonl is always written)."
+            )
+    return None
+
+
 @dataclass
 class TrainingArguments:
     # --- where things go -----------------------------------------------------------------------------------------

@@ -47,6 +47,11 @@ class DiskFullError(UserError):
     """The disk filled while writing a checkpoint or the model; the message names where and the last good step."""
 
 
+class WriteError(UserError):
+    """A checkpoint or the model could not be written for another cause than a full disk (a permission, an object
+    that cannot be pickled); the message names the file, the cause and the last good step."""
+
+
 def checkpoints_root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
@@ -160,7 +165,9 @@ def save_checkpoint(
 
     if async_writer is not None:
         with disk_full_is_one_line(output_dir, what, tmp):
-            async_writer.start(tmp, commit, on_staged, guard=lambda: disk_full_is_one_line(output_dir, what, tmp))
+            # Only a full disk becomes a message here: the writer names any other failure itself ("in the background").
+            guard = lambda: disk_full_is_one_line(output_dir, what, tmp, others=False)  # noqa: E731
+            async_writer.start(tmp, commit, on_staged, guard=guard)
         return final
     if on_staged is not None:
         on_staged(tmp)
@@ -175,48 +182,98 @@ def _folder_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, rel)) for rel in _files(path)) if os.path.isdir(path) else 0
 
 
+# A full disk in words (errno ENOSPC/EDQUOT as text: safetensors' Rust writer, a message passed on by a library).
+_NO_SPACE = ("No space left on device", "os error 28", "StorageFull", "Disk quota")
+# torch.save's C++ writer (inline_container.cc) reports a short write without errno or cause (measured on a full
+# tmpfs: "unexpected pos 576 vs 534", "basic_ios::clear: iostream error"): a full disk only when the disk is short.
+_SHORT_WRITE = ("unexpected pos", "iostream error", "file write failed")
+# Other write failures reported without an OSError: safetensors ("I/O error: ... (os error 1)"), torch ("open file
+# failed with strerror: Permission denied").
+_WRITE_FAILED = _SHORT_WRITE + ("os error", "strerror", "I/O error")
+
+
 def is_disk_full(error: BaseException, folder: str, needed: int = 0) -> bool:
-    """ENOSPC as an OSError, as safetensors' `os error 28`, or -- torch.save's C++ writer reports a full disk
-    without errno ("iostream error", "file write failed") -- any write error while the disk of `folder` has less
-    room left than `needed` (what the write takes: a checkpoint of this run) or 1 MiB."""
+    """ENOSPC/EDQUOT as an OSError or in a library's words, or -- torch.save's C++ writer reports a full disk
+    without errno -- a short write of torch's while the disk of `folder` has less room left than `needed` (what
+    the write takes: a checkpoint of this run) or 1 MiB. Nothing else: a permission error or an object that cannot
+    be pickled is not a full disk, however little room is left."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    if any(s in str(error) for s in ("No space left on device", "os error 28", "StorageFull", "Disk quota")):
+    text = str(error)
+    if any(s in text for s in _NO_SPACE):
         return True
+    if isinstance(error, OSError) or not any(s in text for s in _SHORT_WRITE):
+        return False
     try:
         return shutil.disk_usage(folder).free < max(1 << 20, needed)
     except OSError:
         return False
 
 
+def _cannot_pickle(error: BaseException) -> bool:
+    """pickle's own error, or the AttributeError/TypeError it raises for a local object or a lock."""
+    import pickle
+
+    return isinstance(error, pickle.PicklingError) or (
+        isinstance(error, (AttributeError, TypeError)) and "pickle" in str(error)
+    )
+
+
 @contextlib.contextmanager
-def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None):
-    """A write under output_dir that fills the disk becomes DiskFullError: one line saying the disk is full,
-    where, and which checkpoint is the last good one (the newest complete one, which a failed write never
-    touches). The partial folder or file is deleted, giving its space back."""
+def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None, others: bool = True):
+    """A write under output_dir that fails for a known cause becomes one line saying which, where, and which
+    checkpoint is the last good one (the newest complete one, which a failed write never touches):
+    DiskFullError for a full disk (the partial folder or file is deleted, giving its space back), WriteError
+    for a file that cannot be written (permissions, a read-only mount) or an object that cannot be pickled
+    (`others=False`: these re-raise, for a caller that names them itself). Anything else re-raises as it is."""
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - only a full disk is turned into a message; anything else re-raises
+    except Exception as e:  # noqa: BLE001 - only the causes above become a message; anything else re-raises
         good = list_checkpoints(output_dir)
-        if not is_disk_full(e, output_dir, _folder_size(good[-1]) if good else 0):
+        full = is_disk_full(e, output_dir, _folder_size(good[-1]) if good else 0)
+        pickling = not full and _cannot_pickle(e)
+        if not full and not (
+            others and (pickling or isinstance(e, OSError) or any(s in str(e) for s in _WRITE_FAILED))
+        ):
             raise
-        if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True) if os.path.isdir(partial) else _remove(partial)
         last = f"the last good checkpoint is step {_step_of(good[-1])} ({good[-1]})" if good else "no checkpoint yet"
+        then = "resume with --resume_from_checkpoint latest" if good else "run it again"
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        raise DiskFullError(
-            f"The disk is full: writing {what} failed ({type(e).__name__}: {first}); {last}. Free space there, "
-            "then resume with --resume_from_checkpoint latest."
+        if full:
+            if partial is not None:
+                shutil.rmtree(partial, ignore_errors=True) if os.path.isdir(partial) else _remove(partial)
+            raise DiskFullError(
+                f"The disk is full: writing {what} failed ({type(e).__name__}: {first}); {last}. Free space there, "
+                f"then {then}."
+            ) from None
+        where = getattr(e, "filename", None) or partial or output_dir
+        if pickling:
+            raise WriteError(
+                f"Writing {what} failed: {where}: an object cannot be pickled ({type(e).__name__}: {first}); "
+                f"{last}. Make that object picklable or keep it out of the saved state, then {then}."
+            ) from None
+        cause = getattr(e, "strerror", None) or first
+        raise WriteError(
+            f"Writing {what} failed: {where}: {cause} ({type(e).__name__}); {last}. Make {os.path.dirname(where)} "
+            f"writable (its permissions, a read-only mount, a locked file), then {then}."
         ) from None
 
 
 def write_file_atomically(path: str, write, output_dir: str, what: str) -> str:
-    """`write(tmp)` then rename tmp to `path`: a reader (or a kill) never sees half a file, and a full disk is one
-    line (disk_full_is_one_line). The model files (model.safetensors, best/) of plain and sharded runs go here."""
+    """`write(tmp)`, fsync, then rename tmp to `path` and fsync the folder: a reader (or a kill) never sees half a
+    file, and after a power loss the name points to the whole file or the old one (without the file's fsync the
+    rename can reach the disk before the data). A failed write is one line (disk_full_is_one_line). The model
+    files (model.safetensors, best/) of plain and sharded runs go here."""
     tmp = path + ".tmp"
     with disk_full_is_one_line(output_dir, what, tmp):
         write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)  # fsync can report the write's ENOSPC (delayed allocation): inside the guard
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
     return path
 
 
@@ -419,9 +476,14 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
         if not found:
             if spec == "auto":
                 return None
+            ran = any(os.path.exists(os.path.join(output_dir, f)) for f in (MODEL_FILE, "run_config.json"))
             raise CheckpointError(
                 f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_root(output_dir)}. "
-                "Drop the flag to start a new run, or pass the folder of a checkpoint."
+                + (
+                    previous_run_advice(output_dir)
+                    if ran
+                    else "Drop the flag to start a new run, or pass the folder of a checkpoint."
+                )
             )
         errors = []
         for path in reversed(found):
@@ -450,6 +512,26 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
         raise CheckpointError(f"--resume_from_checkpoint {spec}: not a checkpoint of ours ({STATE_FILE} missing).")
     verify_checkpoint(spec)
     return spec
+
+
+def previous_run_advice(output_dir: str) -> str:
+    """What to do with an output_dir that holds a run, naming only ways that work: `latest` where a checkpoint
+    can be continued, never for a run without one (`latest` would then refuse, advising to drop the flag)."""
+    if list_checkpoints(output_dir):
+        return (
+            "Pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to delete it and start "
+            "over, or another --output_dir."
+        )
+    model = os.path.join(output_dir, MODEL_FILE)
+    if os.path.isfile(model):
+        return (
+            f"That run finished and has no checkpoint to continue from; its model is {model}. To train again, pass "
+            "--overwrite_output_dir (deletes that run) or another --output_dir."
+        )
+    return (
+        "It has no checkpoint to continue from (it stopped before its first save): pass --overwrite_output_dir to "
+        "delete it and start over, or another --output_dir."
+    )
 
 
 def resolve_on_main(accelerator, spec: str, output_dir: str) -> str | None:

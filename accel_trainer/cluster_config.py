@@ -155,7 +155,7 @@ def launch_command(
         cmd += ["--machine_rank", str(machine_rank)] + rdzv_flags(config.rdzv_backend, rdzv_timeout_s)
     if max_restarts:
         cmd += ["--max_restarts", str(max_restarts)]
-    return " ".join(shlex.quote(c) for c in cmd) + f" {script} --output_dir runs/<name>"
+    return " ".join(shlex.quote(c) for c in [*cmd, script]) + " --output_dir runs/<name>"
 
 
 def describe(config) -> str:

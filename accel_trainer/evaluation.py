@@ -11,24 +11,56 @@ import os
 
 import torch
 from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import find_batch_size
+from accelerate.utils import find_batch_size, slice_tensors
 
 from .errors import UserError
 
 
-def outputs(recipe, model, batch, device) -> dict:
-    """Per-sample tensors for gather_for_metrics: `loss` (summed over the sample's items), `n_items`, and
-    `predictions`/`references` when the recipe gives them. A per-batch mean loss is spread evenly over the
-    batch's samples, which is exact when every sample has the same number of items."""
+def _eval_outputs(recipe, model, batch) -> dict:
     out = dict(recipe.eval_step(model, batch)) if recipe.eval_step else {}
     if "loss" not in out:
         out["loss"], out["n_items"] = recipe.loss(model, batch)
+    return out
+
+
+def outputs(recipe, model, batch, device, real_rows=None) -> dict:
+    """Per-sample tensors for gather_for_metrics: `loss` (summed over the sample's items), `n_items`, and
+    `predictions`/`references` when the recipe gives them. A per-batch mean loss is spread evenly over the
+    batch's samples, which is exact when every sample has the same number of items (their sum always is).
+
+    `real_rows(B)` (the last batch of a padded split): how many leading rows of this rank's batch are real samples,
+    the rest being Accelerate's repeats, which gather_for_metrics drops. A mean over the whole batch would carry
+    the repeats' losses into the real rows, so the loss is taken again over the real rows alone."""
+    out = _eval_outputs(recipe, model, batch)
     loss, n = out["loss"], torch.as_tensor(out["n_items"], device=device)
     if loss.ndim == 0:
         B = len(out["references"]) if "references" in out else find_batch_size(batch)
-        out["loss"] = (loss.float() * n / B).expand(B)
-        out["n_items"] = (n.float() / B).expand(B)
+        k = B if real_rows is None else real_rows(B)
+        if k < B:
+            real = _eval_outputs(recipe, model, slice_tensors(batch, slice(0, k))) if k else {"loss": 0, "n_items": 0}
+            loss, n = torch.as_tensor(real["loss"], device=device), torch.as_tensor(real["n_items"], device=device)
+        repeats = torch.zeros(B - k, device=device)  # dropped by gather_for_metrics; zero either way
+        out["loss"] = torch.cat([(loss.float() * n / max(k, 1)).expand(k), repeats])
+        out["n_items"] = torch.cat([(n.float() / max(k, 1)).expand(k), repeats])
     return out
+
+
+def real_rows(accelerator, eval_loader):
+    """For outputs(): None, or -- on the last batch of a split that Accelerate padded with repeated samples to
+    even out the ranks -- a function of the batch size giving how many of this rank's rows gather_for_metrics keeps
+    (a prefix: it keeps the first `remainder` rows of the ranks' batches laid end to end). Every rank calls it at
+    the same batch (a collective): the padding makes their batch counts equal."""
+    acc, state = accelerator, accelerator.gradient_state
+    if not isinstance(eval_loader, DataLoaderShard) or acc.num_processes == 1:
+        return None
+    if not state.end_of_dataloader or state.remainder <= 0:
+        return None
+
+    def kept(batch_size: int) -> int:
+        mine = torch.full((batch_size,), acc.process_index, device=acc.device)
+        return int((acc.gather_for_metrics(mine) == acc.process_index).sum())
+
+    return kept
 
 
 def gather(accelerator, eval_loader, out: dict) -> dict:
@@ -62,7 +94,8 @@ def evaluate(accelerator, recipe, ctx, model, eval_loader) -> dict:
     if hasattr(eval_loader, "set_epoch"):
         eval_loader.set_epoch(0)
     for batch in eval_loader:
-        out = gather(accelerator, eval_loader, outputs(recipe, model, batch, device))
+        out = outputs(recipe, model, batch, device, real_rows(accelerator, eval_loader))
+        out = gather(accelerator, eval_loader, out)
         loss_sum += out["loss"].double().sum()
         n_sum += out["n_items"].double().sum()
         n_samples += len(out["loss"])

@@ -256,8 +256,7 @@ class Trainer:
         leftovers = spec is not None and spec.startswith("auto") and "model.safetensors" not in previous
         if previous and not (args.overwrite_output_dir or leftovers):
             raise FileExistsError(
-                f"output_dir {out} holds a previous run ({', '.join(previous)}). Pass --resume_from_checkpoint latest"
-                " to continue it, --overwrite_output_dir to delete it and start over, or another --output_dir."
+                f"output_dir {out} holds a previous run ({', '.join(previous)}). {ckpt.previous_run_advice(out)}"
             )
         if previous:
             self.accelerator.wait_for_everyone()  # every rank has checked before the main one deletes

@@ -11,6 +11,7 @@ each machine and, on request, a SLURM batch script. Interactive at a terminal, f
 
 import argparse
 import os
+import shlex
 import socket
 import sys
 
@@ -114,6 +115,9 @@ def slurm_script(
     `accel-trainer launch` returns; the script then requeues the job (`--requeue`, `scontrol requeue`) and the
     next run continues from the newest checkpoint (`--resume_from_checkpoint auto`).
 
+    The config and script paths reach the task as arguments of `bash -c` ($1, $2), quoted for the batch shell: the
+    single-quoted body holds no pasted text, so a space or a `'` in a path can neither split it nor end the quote.
+
     Over 60 lines because most of it is the script itself: one template, so that it reads as the file it writes."""
     per = config.num_processes // config.num_machines
     # --exclusive: the whole node (all its CPUs) for its one task. Without it SLURM allocates one CPU per task, and
@@ -165,10 +169,10 @@ export MAIN_PORT={config.main_process_port or network.DEFAULT_PORT}
 {restart_env}echo "job $SLURM_JOB_ID start (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST"
 SRUN= NOTICE=
 trap 'NOTICE=1; echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
-srun --kill-on-bad-exit=1 bash -c 'exec accel-trainer launch --config_file {config_path} \\
+srun --kill-on-bad-exit=1 bash -c 'exec accel-trainer launch --config_file "$1" \\
     --machine_rank "$SLURM_NODEID" \\
     --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT"{rdzv}{restarts} \\
-    {script} --resume_from_checkpoint auto "$@"' _ "$@" &
+    "$2" --resume_from_checkpoint auto "${{@:3}}"' _ {shlex.quote(config_path)} {shlex.quote(script)} "$@" &
 SRUN=$!
 # `wait` returns early when the trap runs: wait again until srun has really ended.
 while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || break; done
@@ -458,7 +462,7 @@ def write_config(a) -> int:
                 )
             )
         os.chmod(spath, 0o755)
-        print(f"Wrote {spath}: sbatch {spath} [script arguments]")
+        print(f"Wrote {spath}: sbatch {shlex.quote(spath)} [script arguments]")
     return 0
 
 
@@ -500,7 +504,7 @@ def _print_launch_lines(a, config, path: str, restarts: int):
     if a.machines > 1 and a.rdzv == "c10d":
         print("  c10d assigns ranks at rendezvous; --machine_rank only has to be distinct.")
     print(
-        f"Check each machine first: accel-trainer check --config_file {path}"
+        f"Check each machine first: accel-trainer check --config_file {shlex.quote(path)}"
         + (" --machine_rank <r>" if a.machines > 1 else "")
     )
     if a.skip_device_check and not a.cpu:

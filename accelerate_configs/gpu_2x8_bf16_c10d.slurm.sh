@@ -19,11 +19,11 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 echo "job $SLURM_JOB_ID start (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"
 SRUN= NOTICE=
 trap 'NOTICE=1; echo "USR1: preemption notice, passing it to the launchers"; [ -n "$SRUN" ] && kill -USR1 "$SRUN"' USR1
-srun --kill-on-bad-exit=1 bash -c 'exec accel-trainer launch --config_file accelerate_configs/gpu_2x8_bf16_c10d.yaml \
+srun --kill-on-bad-exit=1 bash -c 'exec accel-trainer launch --config_file "$1" \
     --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \
     --rdzv_backend c10d --rdzv_conf join_timeout=120,read_timeout=120 --max_restarts 3 \
-    recipes/<recipe>.py --resume_from_checkpoint auto "$@"' _ "$@" &
+    "$2" --resume_from_checkpoint auto "${@:3}"' _ accelerate_configs/gpu_2x8_bf16_c10d.yaml 'recipes/<recipe>.py' "$@" &
 SRUN=$!
 # `wait` returns early when the trap runs: wait again until srun has really ended.
 while :; do wait "$SRUN"; rc=$?; kill -0 "$SRUN" 2>/dev/null || break; done

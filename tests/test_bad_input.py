@@ -47,7 +47,7 @@ def test_resume_latest_without_checkpoints(capsys, tmp_path):
 
 def test_previous_run_is_not_overwritten(capsys, tmp_path):
     out = tmp_path / "o"
-    run_recipe(regression, ["--output_dir", str(out), "--max_steps", "3", "--disable_tqdm", "--save_steps", "0"])
+    run_recipe(regression, ["--output_dir", str(out), "--max_steps", "3", "--disable_tqdm", "--save_steps", "3"])
     before = {f: (out / f).read_bytes() for f in ("metrics.jsonl", "run_config.json", "model.safetensors")}
     code, err = fail(["--output_dir", str(out), "--max_steps", "3"], capsys)
     assert code == 1 and "previous run" in err
@@ -60,6 +60,60 @@ def test_previous_run_is_not_overwritten(capsys, tmp_path):
     )
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and all('"step": 2' in line for line in lines)  # the old run's log is gone
+
+
+@pytest.mark.parametrize("resume", [None, "auto", "latest"])
+def test_finished_run_without_checkpoints_gets_advice_that_is_not_circular(resume, capsys, tmp_path):
+    # A finished run with no checkpoint (its --save_steps never came): `auto` was refused advising `latest`, and
+    # `latest` advised dropping the flag, which is refused advising `latest`. Each now says the run is finished,
+    # where its model is, and the two ways that work; nothing is touched.
+    out = tmp_path / "o"
+    run_recipe(regression, ["--output_dir", str(out), "--max_steps", "3", "--disable_tqdm", "--save_steps", "0"])
+    before = {f: (out / f).read_bytes() for f in ("metrics.jsonl", "run_config.json", "model.safetensors")}
+    code, err = fail(
+        ["--output_dir", str(out), "--max_steps", "3"] + (["--resume_from_checkpoint", resume] * bool(resume)), capsys
+    )
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    assert "finished" in errors[0] and str(out / "model.safetensors") in errors[0], errors[0]
+    assert "--overwrite_output_dir" in errors[0] and "--output_dir" in errors[0], errors[0]
+    assert "latest" not in errors[0].partition(". ")[2] and "Drop the flag" not in errors[0], errors[0]
+    assert {f: (out / f).read_bytes() for f in before} == before
+    # the advice works: --overwrite_output_dir starts over (with `auto` kept, as a job script keeps it)
+    argv = [
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--disable_tqdm",
+        "--save_steps",
+        "0",
+        "--overwrite_output_dir",
+    ]
+    run_recipe(regression, argv + (["--resume_from_checkpoint", "auto"] if resume == "auto" else []))
+    assert '"step": 2' in (out / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_a_tracker_asked_for_and_not_installed_stops_at_start_up(tracker, capsys, tmp_path, monkeypatch):
+    # Accelerate drops a tracker whose package is missing with a warning: the run logged nothing there and
+    # exited 0, while run_config.json recorded it. Here no tracker package is installed, as Accelerate sees it.
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "_available_trackers", [])
+    out = tmp_path / "o"
+    code, err = fail(["--output_dir", str(out), "--max_steps", "2", "--report_to", tracker], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    assert f"--report_to {tracker}" in errors[0] and f"pip install {tracker}" in errors[0], errors[0]
+    assert not out.exists() or not os.listdir(out)  # stopped before anything was written
+
+
+def test_an_unknown_tracker_name_is_one_line(capsys, tmp_path):
+    code, err = fail(["--output_dir", str(tmp_path / "o"), "--max_steps", "2", "--report_to", "tensorbord"], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    assert "tensorbord" in errors[0] and "tensorboard" in errors[0].partition("tensorbord")[2], errors[0]
 
 
 def test_args_file_with_overrides(tmp_path):

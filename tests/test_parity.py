@@ -163,3 +163,22 @@ def test_fp16_comm_hook_with_many_items_per_window_stays_finite(tmp_path):
     # fp16 keeps ~3 significant digits of each gradient coordinate
     assert [r["grad_norm"] for r in rows["fp16"]] == pytest.approx([r["grad_norm"] for r in rows["none"]], rel=1e-3)
     assert_same_weights(weights(out["fp16"]), weights(out["none"]), rtol=1e-3, atol=1e-4)
+
+
+def test_eval_loss_of_a_scalar_eval_step_is_exact_on_two_processes(tmp_path):
+    # An eval_step returning the batch's mean loss: on 2 processes Accelerate completes the last batches with
+    # repeated samples (37 = 4 + 4 + ... + 5 over 2 x 4); their losses must not leak into eval_loss.
+    import os
+
+    recipe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scalar_eval_recipe.py")
+    args = ["--mask_prob", "0.5", "--max_steps", "4", "--eval_steps", "2", "--num_eval_samples", "37"]
+    args += ["--per_device_eval_batch_size", "4", "--save_steps", "0", "--disable_tqdm"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run(recipe, ["--output_dir", one, "--per_device_train_batch_size", "16"] + args, nproc=1)
+    run(recipe, ["--output_dir", two, "--per_device_train_batch_size", "8"] + args, nproc=2)
+    assert run_config(two)["num_processes"] == 2
+    ev1, ev2 = ([m for m in metrics(d) if "eval_loss" in m] for d in (one, two))
+    assert [m["eval_samples"] for m in ev2] == [37, 37] and len(ev1) == 2
+    for a, b in zip(ev1, ev2):
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+        assert b["eval_mse"] == pytest.approx(a["eval_mse"], rel=1e-5)

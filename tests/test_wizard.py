@@ -262,3 +262,43 @@ def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
     )
     assert proc.returncode == 75 and "requeueing job 7" in proc.stdout, proc.stdout + proc.stderr
     assert read(tmp_path / "scontrol.log").split() == ["requeue", "7"]
+
+
+# Stand-ins that record each argument on its own line (NUL-separated): a split or merged argument shows.
+RECORDING_SRUN = """#!/bin/bash
+printf '%s\\0' "$@" > "$RECORD_DIR/srun.argv"
+while [[ "$1" == --* ]]; do shift; done
+SLURM_NODEID=0 "$@"
+"""
+RECORDING_LAUNCHER = '#!/bin/bash\nprintf "%s\\0" "$@" > "$RECORD_DIR/launch.argv"\n'
+
+
+def test_slurm_script_passes_paths_with_spaces_and_quotes_whole(tmp_path):
+    # A config folder and a training script whose names hold a space and a single quote: each must reach
+    # `accel-trainer launch` as one argument, and the script must stay valid shell (the body of `bash -c '...'`
+    # is single-quoted: a pasted `'` would end it).
+    folder = tmp_path / "my configs" / "it's here"
+    recipe = str(tmp_path / "my recipes" / "bob's recipe.py")
+    argv = ["--dir", str(folder), "--name", "q", "--no-interactive", "--machines", "2"]
+    argv += ["--processes-per-machine", "1", "--cpu", "--main-ip", "unused", "--slurm", "--script", recipe]
+    assert wizard.main(argv) == 0
+    script = folder / "q.slurm.sh"
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert syntax.returncode == 0, syntax.stderr
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, body in (("srun", RECORDING_SRUN), ("scontrol", FAKE_SCONTROL), ("accel-trainer", RECORDING_LAUNCHER)):
+        (fake / name).write_text(body)
+        (fake / name).chmod(0o755)
+    e = {**env(), "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "7"}
+    e |= {"RECORD_DIR": str(tmp_path), "SCONTROL_LOG": str(tmp_path / "scontrol.log")}
+    proc = subprocess.run(
+        ["bash", str(script), "--output_dir", "runs/x y", "--note", "it's"],
+        capture_output=True, text=True, timeout=30, env=e,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert read(tmp_path / "srun.argv").split("\0")[:3] == ["--kill-on-bad-exit=1", "bash", "-c"]
+    got = read(tmp_path / "launch.argv").split("\0")[:-1]
+    assert got[:3] == ["launch", "--config_file", str(folder / "q.yaml")]
+    assert got[got.index("--machine_rank") + 1] == "0"
+    assert got[-7:] == [recipe, "--resume_from_checkpoint", "auto", "--output_dir", "runs/x y", "--note", "it's"]
