@@ -3,6 +3,7 @@
     writer = AsyncWriter(accelerator, timeout_s)            # one per Trainer
     writer.start(tmp, commit, on_staged)                    # main thread: copy the state, then return
     writer.wait()                                           # before the next save, at preemption, at the end
+                                                            # and on every way out of fit() (bounded: timeout_s)
     writer.failed / writer.error                            # set by the background thread
 
 What `accelerator.save_state(tmp)` writes, with the same names and format (`load_state` reads it unchanged):
@@ -50,6 +51,7 @@ class AsyncWriter:
         self._group = None
         self._stager = None
         self._thread: threading.Thread | None = None
+        self._tmp: str | None = None  # the folder being written
         self.error: BaseException | None = None
         self.on_failure = None  # called from the background thread when the outcome is a failure (all ranks)
 
@@ -66,6 +68,7 @@ class AsyncWriter:
 
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         big = self._copy_state(tmp)
+        self._tmp = tmp
         self._thread = threading.Thread(
             target=self._write, args=(tmp, big, commit, on_staged, guard), name="accel-trainer-checkpoint", daemon=True
         )
@@ -74,10 +77,21 @@ class AsyncWriter:
     def pending(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def in_flight(self) -> bool:
+        """A write was started and not yet waited for (it may have ended)."""
+        return self._thread is not None
+
     def wait(self):
-        """Block until the background write (and its commit) is over; raise its failure as one-line error."""
+        """Block until the background write (and its commit) is over, at most timeout_s (--ddp_timeout, which also
+        bounds the write's collectives); raise its failure, or that it did not end in time, as a one-line error."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():  # a hung file system: the thread stays, its folder is never committed
+                raise CheckpointWriteError(
+                    f"The checkpoint {self._tmp} was still being written in the background after {self.timeout_s} s "
+                    "(--ddp_timeout); it is not committed, the previous checkpoint is intact. Check the file system, "
+                    "then resume with --resume_from_checkpoint latest."
+                )
             self._thread = None
         if self.error is not None:
             self.close()  # the run stops here: the group's threads are not left to the interpreter's teardown

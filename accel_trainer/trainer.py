@@ -15,6 +15,7 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -389,7 +390,7 @@ class Trainer:
         self.meter.restart()
         self.events.fire("fit_start", self)
         peers = faults.peer_failures(self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step)
-        with self.preemption, peers:
+        with self._no_write_left_behind(), self.preemption, peers:
             for window in self.windows():  # this rank's micro-batches of one optimizer update
                 self.update(window)
                 self.events.fire("update_end", self)
@@ -422,6 +423,37 @@ class Trainer:
         self.events.fire("fit_end", self, metrics)
         self.accelerator.end_training()
         return metrics
+
+    @contextlib.contextmanager
+    def _no_write_left_behind(self):
+        """Around fit()'s loop. Whatever ends it early (an exception, Ctrl-C, a NaN stop, a dead peer; a preemption
+        has already waited), a checkpoint still being written in the background is committed, or cleanly absent,
+        before the error goes on. Left to the interpreter's exit, the daemon thread would be stopped mid-write (or
+        abort the process inside torch) and the checkpoint lost. Bounded by the writer's timeout."""
+        try:
+            yield
+        except BaseException:
+            w = self._writer
+            if w is not None and w.in_flight():
+                self._finish_write_on_the_way_out(w)
+            raise
+
+    def _finish_write_on_the_way_out(self, w):
+        from .async_save import CheckpointWriteError
+
+        path = self._pending_path
+        try:
+            if w.pending():
+                self.reporter.print(
+                    f"Stopping: first finishing the checkpoint {path} being written in the background (at most "
+                    f"{w.timeout_s} s; interrupt again to abandon it)."
+                )
+            self._wait_for_checkpoint()
+            self.reporter.print(f"Checkpoint {path} committed; resume with --resume_from_checkpoint latest.")
+        except CheckpointWriteError as e:  # the error that ends the run goes on; this one is said, not lost
+            print(f"warning: {e}", file=sys.stderr, flush=True)
+        finally:
+            w.close()  # the run stops: the writer's group is not left to the interpreter's teardown
 
     def _progress_bar(self):
         # Not on a terminal (a log file, a SLURM job), a bar would flood the log: the plain line per log row stays.

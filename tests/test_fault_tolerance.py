@@ -173,6 +173,31 @@ def test_save_async_sigterm_waits_for_the_pending_write_then_exits_75(tmp_path, 
     assert final_bytes(out) == references[1]
 
 
+@pytest.mark.parametrize("fault", ["raise_at=9", "nan_at=9", "sigint_at=9"])
+def test_save_async_a_run_that_fails_one_update_after_a_save_commits_it_and_resumes(tmp_path, runs, references, fault):
+    # The run fails one update after the async save of step 8 started (a handler's exception, a NaN loss, Ctrl-C),
+    # while that write is still in flight: hold_save keeps it from committing until the process is on its way
+    # out. fit() waits for it on the way out: step_8 is committed (no .tmp_step_8 left, no abort at exit), and
+    # the run resumed from it is the uninterrupted one, bit for bit.
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 1, ["--save_async"], faults=f"hold_save=8,{fault}")
+    rc = r.wait(timeout=120)
+    log = r.output()
+    expected = {
+        "raise_at": "RuntimeError: test fault: a handler fails after step 9",
+        "nan_at": "error: Loss is nan at step 9",
+        "sigint_at": "KeyboardInterrupt",
+    }[fault.split("=")[0]]
+    assert rc not in (0, -signal.SIGABRT) and expected in log, log
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_4", "step_8"], log
+    assert "the background" in log and "step_8" in log, log  # it said what it waited for
+    assert os.path.isfile(out / "checkpoints" / "step_8" / "manifest.json")
+    r = start(runs, tmp_path, out, 1, ["--resume_from_checkpoint", "latest", "--save_async"])
+    assert r.wait() == 0, r.output()
+    assert f"Resumed from {out / 'checkpoints' / 'step_8'}" in r.output(None)
+    assert final_bytes(out) == references[1]
+
+
 def test_save_async_failed_write_on_one_rank_stops_both_ranks_with_one_line_each(tmp_path, runs):
     # Rank 1 fails to write step 8 in the background: every rank learns it, both stop at the same update (no
     # rank is left waiting in a collective: no peer-failure report), each with one line; step 4 stays `latest`.
