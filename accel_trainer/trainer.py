@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
@@ -43,11 +44,18 @@ from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops, host_floats
 from .update import Updater, is_plain_torch, registered_comm_hook
 
-PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best")
+AFTER_TRAINING_TRACEBACK = "error_after_training.txt"  # a bug's traceback, named by AfterTrainingError's line
+PREVIOUS_RUN_FILES = (
+    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK
+)  # fmt: skip
 
 
 class NonFiniteLossError(UserError):
     pass
+
+
+class AfterTrainingError(UserError):
+    """Training finished and its weights are saved; what came after (the final evaluation, fit_end) failed."""
 
 
 @dataclass
@@ -414,15 +422,56 @@ class Trainer:
                 if last:
                     break
         bar.close()
-        if self.eval_loader is not None or self.events.has("evaluate_end"):
-            metrics = self.evaluate(final=True)
-        if args.save_steps:
-            self.save_checkpoint()
+        return self._finish(metrics)
+
+    def _finish(self, metrics: dict) -> dict:
+        """After the last update. The weights are saved first, so that nothing after training (the final evaluation
+        and its metrics, a fit_end handler's plots or upload) can lose them; a failure there is one line saying
+        where they are (AfterTrainingError), after the final checkpoint is written."""
+        self._wait_for_checkpoint()  # the loop's last background write is committed before anything else
+        saved = [self.save_model()]
+        failed = None
+        try:
+            if self.eval_loader is not None or self.events.has("evaluate_end"):
+                metrics = self.evaluate(final=True)
+        except Exception as e:  # noqa: BLE001 - reported once the final checkpoint is written too
+            failed = ("the final evaluation", e)
+        if self.args.save_steps:
+            saved.append(self.save_checkpoint())
         self._wait_for_checkpoint()  # the end of fit() never leaves a write behind
-        self.save_model()
-        self.events.fire("fit_end", self, metrics)
+        if failed is None:
+            try:
+                self.events.fire("fit_end", self, metrics)
+            except Exception as e:  # noqa: BLE001
+                failed = ("a fit_end handler", e)
+        if failed is not None:
+            raise self._after_training_error(saved, *failed)
+        if self.accelerator.is_main_process:  # a previous attempt's, now answered
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.args.output_dir, AFTER_TRAINING_TRACEBACK))
         self.accelerator.end_training()
         return metrics
+
+    def _after_training_error(self, saved: list[str], what: str, error: Exception) -> AfterTrainingError:
+        """One line for a failure after training: what is saved where, what failed and how to run only that again.
+        A bug's traceback (not a UserError's: its message is the whole story) goes to a file the line names."""
+        detail = str(error)
+        if not isinstance(error, UserError):
+            first = (str(error).strip().splitlines() or [""])[0][:300].rstrip(".")
+            where = os.path.join(self.args.output_dir, AFTER_TRAINING_TRACEBACK)
+            if self.accelerator.is_main_process:
+                with open(where, "w") as f:
+                    traceback.print_exception(error, file=f)
+            detail = f"{type(error).__name__}: {first} (traceback in {where})"
+        again = (
+            "fix it, then run again with --resume_from_checkpoint latest, which does not train again"
+            if self.args.save_steps
+            else "fix it and evaluate the saved model"
+        )
+        return AfterTrainingError(
+            f"Training finished at step {self.global_step}; saved: {', '.join(saved)}. Then {what} failed: "
+            f"{detail.rstrip('.')}. The weights are safe: {again}."
+        )
 
     @contextlib.contextmanager
     def _no_write_left_behind(self):
