@@ -169,7 +169,7 @@ class Trainer:
         self.ema = self._build_ema()  # None without --ema_decay
 
         # The run's state, and the components that own theirs.
-        self.progress = Progress()
+        self.progress = Progress(**self._kept_best)
         self._log_window: list = []  # (loss tensor, grad norm, step) per update since the last log
         self._train_iter = None  # fetch_batch()'s position
         self._saved_step = None
@@ -256,6 +256,7 @@ class Trainer:
         'auto' (and any elastic restart, see faults.py) resumes when there is a checkpoint and starts anew when
         there is none, replacing the logs of an attempt that died before its first checkpoint."""
         args, out = self.args, self.args.output_dir
+        self._kept_best = {}  # Progress fields: the best evaluation of an earlier attempt whose best/ is kept
         spec = faults.effective_resume_spec(args.resume_from_checkpoint)
         if spec:
             path = ckpt.resolve_on_main(self.accelerator, spec, out)
@@ -268,6 +269,9 @@ class Trainer:
                 f"output_dir {out} holds a previous run ({', '.join(previous)}). Pass --resume_from_checkpoint latest"
                 " to continue it, --overwrite_output_dir to delete it and start over, or another --output_dir."
             )
+        if leftovers and not args.overwrite_output_dir and "best" in previous:
+            previous.remove("best")
+            self._keep_best(out)
         if previous:
             self.accelerator.wait_for_everyone()  # every rank has checked before the main one deletes
             if self.accelerator.is_main_process:
@@ -275,6 +279,29 @@ class Trainer:
                     path = os.path.join(out, f)
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return None
+
+    def _keep_best(self, out: str):
+        """An attempt that died before its first checkpoint (started again with 'auto') may have written best/:
+        the new attempt keeps it and compares against its record, replacing it only when it evaluates better.
+        One that cannot be compared against (another metric, no best.json) is moved aside, never deleted."""
+        record = evaluation.previous_best(self.args, out)
+        if record is not None:
+            self._kept_best = {"best_metric": record["value"], "best_step": record["step"]}
+            found = f"step {record['step']}, {record['metric']} {record['value']:.6g}"
+            what = f"kept ({found}) until this run evaluates better"
+        else:
+            self.accelerator.wait_for_everyone()  # every rank has read best/ before it moves
+            aside = os.path.join(out, f"best.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+            if self.accelerator.is_main_process:
+                os.replace(os.path.join(out, "best"), aside)
+            what = f"moved to {aside}: this run cannot compare against it (another metric, or no best.json)"
+        if self.accelerator.is_main_process:
+            print(
+                f"Starting over (no checkpoint in {ckpt.checkpoints_root(out)}); the best model of the attempt before, "
+                f"{os.path.join(out, 'best')}, is {what}.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _build_model(self) -> torch.nn.Module:
         model = self.recipe.build_model(self.ctx)

@@ -198,6 +198,27 @@ def test_save_async_a_run_that_fails_one_update_after_a_save_commits_it_and_resu
     assert final_bytes(out) == references[1]
 
 
+def test_a_requeued_run_without_checkpoint_keeps_the_best_model_of_the_attempt_before(tmp_path, runs):
+    # Killed after best/ (step 10) but before any checkpoint, then started again with `auto` (what the generated
+    # SLURM script passes): the run starts over, and best/ stays until this run evaluates better than it did.
+    out = tmp_path / "run"
+    best = ["--eval_steps", "10", "--metric_for_best_model", "eval_loss", "--save_steps", "100"]
+    r = start(runs, tmp_path, out, 1, best, faults="exit_at=0:12")
+    assert r.wait() == 3, r.output()
+    assert not (out / "checkpoints").exists()
+    record, weights = json.loads((out / "best" / "best.json").read_text()), (out / "best" / "model.safetensors")
+    kept = weights.read_bytes()
+    assert record["step"] == 10
+    r = start(runs, tmp_path, out, 1, best + ["--resume_from_checkpoint", "auto"], faults="exit_at=0:3")
+    assert r.wait() == 3, r.output()  # started over; killed again before its first evaluation
+    assert json.loads((out / "best" / "best.json").read_text()) == record and weights.read_bytes() == kept
+    assert f"{out / 'best'}" in r.output() and "kept" in r.output(), r.output()
+    r = start(runs, tmp_path, out, 1, best + ["--resume_from_checkpoint", "auto"])
+    assert r.wait() == 0, r.output()
+    final = json.loads((out / "best" / "best.json").read_text())
+    assert final["metric"] == "eval_loss" and final["value"] <= record["value"]
+
+
 def test_save_async_failed_write_on_one_rank_stops_both_ranks_with_one_line_each(tmp_path, runs):
     # Rank 1 fails to write step 8 in the background: every rank learns it, both stop at the same update (no
     # rank is left waiting in a collective: no peer-failure report), each with one line; step 4 stays `latest`.
