@@ -70,6 +70,11 @@ class Progress:
     best_step: int | None = None
 
 
+def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:
+    """--output_dir, or output/<recipe name> when it is not given."""
+    return args.output_dir if args.output_dir is not None else os.path.join("output", recipe.name)
+
+
 def default_optimizer(model, args: TrainingArguments, device: torch.device | None = None):
     # No weight decay on biases and normalisation weights (1-d tensors), as transformers does.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -228,8 +233,7 @@ class Trainer:
             args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
         )
         targs = dataclasses.replace(resolved.targs)
-        if targs.output_dir is None:
-            targs.output_dir = os.path.join("output", self.recipe.name)
+        targs.output_dir = output_dir_of(targs, self.recipe)
         return targs, resolved.rargs, resolved.given
 
     def _prepare_output_dir(self) -> str | None:

@@ -351,3 +351,26 @@ def test_disk_full_during_a_checkpoint_is_one_line_naming_the_last_good_step(tmp
         assert step >= 2 and not (out / "model.safetensors").exists()
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_disk_full_while_logging_is_one_line(tmp_path):
+    # A real full disk outside any checkpoint or model write: a 12 KiB tmpfs fills with metrics.jsonl's rows
+    # (no checkpoints: --save_steps 0). One line (run.py's disk-full branch), exit 1, no traceback.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        out = disk / "run"
+        args = ["--max_steps", "200", "--save_steps", "0", "--logging_steps", "1", "--disable_tqdm"]
+        proc = subprocess.run(
+            launch_cmd(1) + [SCRIPT, "--output_dir", str(out), *args],
+            capture_output=True, text=True, timeout=240, env=env(),
+        )  # fmt: skip
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("error: The disk is full: writing ") and str(out) in line, line
+        assert "no checkpoint yet" in line and 0 < last_step(out) < 200, line
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
