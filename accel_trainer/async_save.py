@@ -52,6 +52,7 @@ class AsyncWriter:
         self._stager = None
         self._thread: threading.Thread | None = None
         self._tmp: str | None = None  # the folder being written
+        self._abandoned = False  # wait() gave up on the write: it must not commit if it ever ends
         self.error: BaseException | None = None
         self.on_failure = None  # called from the background thread when the outcome is a failure (all ranks)
 
@@ -86,13 +87,14 @@ class AsyncWriter:
         bounds the write's collectives); raise its failure, or that it did not end in time, as a one-line error."""
         if self._thread is not None:
             self._thread.join(self.timeout_s)
-            if self._thread.is_alive():  # a hung file system: the thread stays, its folder is never committed
+            alive, self._thread = self._thread.is_alive(), None
+            if alive:  # a hung file system: the thread is left (a daemon), its folder is not committed
+                self._abandoned = True
                 raise CheckpointWriteError(
                     f"The checkpoint {self._tmp} was still being written in the background after {self.timeout_s} s "
-                    "(--ddp_timeout); it is not committed, the previous checkpoint is intact. Check the file system, "
+                    "(--ddp_timeout); it was not committed, the previous checkpoint is intact. Check the file system, "
                     "then resume with --resume_from_checkpoint latest."
                 )
-            self._thread = None
         if self.error is not None:
             self.close()  # the run stops here: the group's threads are not left to the interpreter's teardown
             raise self.error
@@ -162,6 +164,8 @@ class AsyncWriter:
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the training thread
             error = e
         error = self._agree(error, "written")
+        if error is None and self._abandoned:  # given up by wait(): too late to commit (said there)
+            error = CheckpointWriteError(f"the write of {tmp} was given up after {self.timeout_s} s")
         if error is None and self.accelerator.is_main_process:
             try:
                 commit()

@@ -453,7 +453,8 @@ class Trainer:
                 if last:
                     break
         bar.close()
-        return self._finish(metrics)
+        with self._no_write_left_behind():  # the final checkpoint's write too (Ctrl-C while it is waited for)
+            return self._finish(metrics)
 
     def _finish(self, metrics: dict) -> dict:
         """After the last update. The weights are saved first, so that nothing after training (the final evaluation
@@ -506,10 +507,10 @@ class Trainer:
 
     @contextlib.contextmanager
     def _no_write_left_behind(self):
-        """Around fit()'s loop. Whatever ends it early (an exception, Ctrl-C, a NaN stop, a dead peer; a preemption
-        has already waited), a checkpoint still being written in the background is committed, or cleanly absent,
-        before the error goes on. Left to the interpreter's exit, the daemon thread would be stopped mid-write (or
-        abort the process inside torch) and the checkpoint lost. Bounded by the writer's timeout."""
+        """Around fit()'s loop and its end. Whatever ends them early (an exception, Ctrl-C, a NaN stop, a dead peer;
+        a preemption has already waited), a checkpoint still being written in the background is committed, or
+        cleanly absent, before the error goes on. Left to the interpreter's exit, the daemon thread would be stopped
+        mid-write (or abort the process inside torch) and the checkpoint lost. Bounded by the writer's timeout."""
         try:
             yield
         except BaseException:
