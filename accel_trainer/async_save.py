@@ -3,6 +3,7 @@
     writer = AsyncWriter(accelerator, timeout_s)            # one per Trainer
     writer.start(tmp, commit, on_staged)                    # main thread: copy the state, then return
     writer.wait()                                           # before the next save, at preemption, at the end
+                                                            # and on every way out of fit() (bounded: timeout_s)
     writer.failed / writer.error                            # set by the background thread
 
 What `accelerator.save_state(tmp)` writes, with the same names and format (`load_state` reads it unchanged):
@@ -50,6 +51,8 @@ class AsyncWriter:
         self._group = None
         self._stager = None
         self._thread: threading.Thread | None = None
+        self._tmp: str | None = None  # the folder being written
+        self._abandoned = False  # wait() gave up on the write: it must not commit if it ever ends
         self.error: BaseException | None = None
         self.on_failure = None  # called from the background thread when the outcome is a failure (all ranks)
 
@@ -66,6 +69,7 @@ class AsyncWriter:
 
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         big = self._copy_state(tmp)
+        self._tmp = tmp
         self._thread = threading.Thread(
             target=self._write, args=(tmp, big, commit, on_staged, guard), name="accel-trainer-checkpoint", daemon=True
         )
@@ -74,11 +78,23 @@ class AsyncWriter:
     def pending(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def in_flight(self) -> bool:
+        """A write was started and not yet waited for (it may have ended)."""
+        return self._thread is not None
+
     def wait(self):
-        """Block until the background write (and its commit) is over; raise its failure as one-line error."""
+        """Block until the background write (and its commit) is over, at most timeout_s (--ddp_timeout, which also
+        bounds the write's collectives); raise its failure, or that it did not end in time, as a one-line error."""
         if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            self._thread.join(self.timeout_s)
+            alive, self._thread = self._thread.is_alive(), None
+            if alive:  # a hung file system: the thread is left (a daemon), its folder is not committed
+                self._abandoned = True
+                raise CheckpointWriteError(
+                    f"The checkpoint {self._tmp} was still being written in the background after {self.timeout_s} s "
+                    "(--ddp_timeout); it was not committed, the previous checkpoint is intact. Check the file system, "
+                    "then resume with --resume_from_checkpoint latest."
+                )
         if self.error is not None:
             self.close()  # the run stops here: the group's threads are not left to the interpreter's teardown
             raise self.error
@@ -148,6 +164,8 @@ class AsyncWriter:
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the training thread
             error = e
         error = self._agree(error, "written")
+        if error is None and self._abandoned:  # given up by wait(): too late to commit (said there)
+            error = CheckpointWriteError(f"the write of {tmp} was given up after {self.timeout_s} s")
         if error is None and self.accelerator.is_main_process:
             try:
                 commit()

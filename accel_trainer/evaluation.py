@@ -123,7 +123,7 @@ def keep_if_best(accelerator, args, progress, results: dict, save_model):
             f"{', '.join(sorted(results))}."
         )
     value = float(results[key])
-    greater = args.greater_is_better if args.greater_is_better is not None else not key.endswith("loss")
+    greater = _greater_is_better(args, key)
     if not math.isfinite(value) or (
         p.best_metric is not None and not (value > p.best_metric if greater else value < p.best_metric)
     ):
@@ -135,5 +135,27 @@ def keep_if_best(accelerator, args, progress, results: dict, save_model):
     save_model(os.path.join(best, "model.safetensors"))
     if accelerator.is_main_process:
         with open(os.path.join(best, "best.json.tmp"), "w") as f:
-            json.dump({"step": p.global_step, "metric": key, "value": value}, f)
+            json.dump({"step": p.global_step, "metric": key, "value": value, "greater_is_better": greater}, f)
         os.replace(os.path.join(best, "best.json.tmp"), os.path.join(best, "best.json"))
+
+
+def _greater_is_better(args, key: str) -> bool:
+    return args.greater_is_better if args.greater_is_better is not None else not key.endswith("loss")
+
+
+def previous_best(args, output_dir: str) -> dict | None:
+    """The record of output_dir/best/ ({"step", "metric", "value"} from best.json) when this run can go on
+    comparing against it: --metric_for_best_model names the same metric, compared the same way. None otherwise
+    (no metric asked, another metric or direction, best.json missing or unreadable: killed mid-write)."""
+    name = args.metric_for_best_model
+    try:
+        with open(os.path.join(output_dir, "best", "best.json")) as f:
+            record = json.load(f)
+        key, value, step = record["metric"], float(record["value"]), int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not name or key not in (name, f"eval_{name}") or not math.isfinite(value):
+        return None
+    if record.get("greater_is_better", _greater_is_better(args, key)) != _greater_is_better(args, key):
+        return None
+    return {"step": step, "metric": key, "value": value}

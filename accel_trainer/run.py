@@ -19,22 +19,24 @@ USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, FileExistsError, Not
 
 def run(recipe, argv: list[str] | None = None) -> dict:
     from .recipe import load_recipe
-    from .trainer import Trainer
+    from .trainer import Trainer, output_dir_of
 
-    args = None
+    output_dir = None  # known once the arguments are: a full disk from then on is one line
     try:
         recipe = load_recipe(recipe)
-        return Trainer(recipe, resolve_args(recipe, argv)).fit()
+        args = resolve_args(recipe, argv)
+        output_dir = output_dir_of(args.targs, recipe)
+        return Trainer(recipe, args).fit()
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except OSError as e:  # a full disk outside a checkpoint write (a log line): the same one line
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or args is None:
+    except OSError as e:  # a full disk outside a checkpoint or model write (run_config.json, a log row): one line
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or output_dir is None:
             raise
         from .checkpoint import DiskFullError, disk_full_is_one_line
 
         try:
-            with disk_full_is_one_line(args.output_dir, e.filename or args.output_dir):
+            with disk_full_is_one_line(output_dir, e.filename or f"into {output_dir}"):
                 raise e
         except DiskFullError as full:
             print(f"error: {full}", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -22,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
@@ -42,11 +44,18 @@ from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops, host_floats
 from .update import Updater, is_plain_torch, registered_comm_hook
 
-PREVIOUS_RUN_FILES = ("metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best")
+AFTER_TRAINING_TRACEBACK = "error_after_training.txt"  # a bug's traceback, named by AfterTrainingError's line
+PREVIOUS_RUN_FILES = (
+    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK
+)  # fmt: skip
 
 
 class NonFiniteLossError(UserError):
     pass
+
+
+class AfterTrainingError(UserError):
+    """Training finished and its weights are saved; what came after (the final evaluation, fit_end) failed."""
 
 
 @dataclass
@@ -59,6 +68,11 @@ class Progress:
     skipped_steps: int = 0  # fp16 overflow skips + non-finite skips
     best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
     best_step: int | None = None
+
+
+def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:
+    """--output_dir, or output/<recipe name> when it is not given."""
+    return args.output_dir if args.output_dir is not None else os.path.join("output", recipe.name)
 
 
 def default_optimizer(model, args: TrainingArguments, device: torch.device | None = None):
@@ -160,7 +174,7 @@ class Trainer:
         self.ema = self._build_ema()  # None without --ema_decay
 
         # The run's state, and the components that own theirs.
-        self.progress = Progress()
+        self.progress = Progress(**self._kept_best)
         self._log_window: list = []  # (loss tensor, grad norm, step) per update since the last log
         self._train_iter = None  # fetch_batch()'s position
         self._saved_step = None
@@ -219,8 +233,7 @@ class Trainer:
             args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
         )
         targs = dataclasses.replace(resolved.targs)
-        if targs.output_dir is None:
-            targs.output_dir = os.path.join("output", self.recipe.name)
+        targs.output_dir = output_dir_of(targs, self.recipe)
         return targs, resolved.rargs, resolved.given
 
     def _prepare_output_dir(self) -> str | None:
@@ -247,6 +260,7 @@ class Trainer:
         'auto' (and any elastic restart, see faults.py) resumes when there is a checkpoint and starts anew when
         there is none, replacing the logs of an attempt that died before its first checkpoint."""
         args, out = self.args, self.args.output_dir
+        self._kept_best = {}  # Progress fields: the best evaluation of an earlier attempt whose best/ is kept
         spec = faults.effective_resume_spec(args.resume_from_checkpoint)
         if spec:
             path = ckpt.resolve_on_main(self.accelerator, spec, out)
@@ -258,6 +272,9 @@ class Trainer:
             raise FileExistsError(
                 f"output_dir {out} holds a previous run ({', '.join(previous)}). {ckpt.previous_run_advice(out)}"
             )
+        if leftovers and not args.overwrite_output_dir and "best" in previous:
+            previous.remove("best")
+            self._keep_best(out)
         if previous:
             self.accelerator.wait_for_everyone()  # every rank has checked before the main one deletes
             if self.accelerator.is_main_process:
@@ -265,6 +282,29 @@ class Trainer:
                     path = os.path.join(out, f)
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return None
+
+    def _keep_best(self, out: str):
+        """An attempt that died before its first checkpoint (started again with 'auto') may have written best/:
+        the new attempt keeps it and compares against its record, replacing it only when it evaluates better.
+        One that cannot be compared against (another metric, no best.json) is moved aside, never deleted."""
+        record = evaluation.previous_best(self.args, out)
+        if record is not None:
+            self._kept_best = {"best_metric": record["value"], "best_step": record["step"]}
+            found = f"step {record['step']}, {record['metric']} {record['value']:.6g}"
+            what = f"kept ({found}) until this run evaluates better"
+        else:
+            self.accelerator.wait_for_everyone()  # every rank has read best/ before it moves
+            aside = os.path.join(out, f"best.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+            if self.accelerator.is_main_process:
+                os.replace(os.path.join(out, "best"), aside)
+            what = f"moved to {aside}: this run cannot compare against it (another metric, or no best.json)"
+        if self.accelerator.is_main_process:
+            print(
+                f"Starting over (no checkpoint in {ckpt.checkpoints_root(out)}); the best model of the attempt before, "
+                f"{os.path.join(out, 'best')}, is {what}.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _build_model(self) -> torch.nn.Module:
         model = self.recipe.build_model(self.ctx)
@@ -390,7 +430,7 @@ class Trainer:
         self.meter.restart()
         self.events.fire("fit_start", self)
         peers = faults.peer_failures(self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step)
-        with self.preemption, peers:
+        with self._no_write_left_behind(), self.preemption, peers:
             for window in self.windows():  # this rank's micro-batches of one optimizer update
                 self.update(window)
                 self.events.fire("update_end", self)
@@ -414,15 +454,88 @@ class Trainer:
                 if last:
                     break
         bar.close()
-        if self.eval_loader is not None or self.events.has("evaluate_end"):
-            metrics = self.evaluate(final=True)
-        if args.save_steps:
-            self.save_checkpoint()
+        with self._no_write_left_behind():  # the final checkpoint's write too (Ctrl-C while it is waited for)
+            return self._finish(metrics)
+
+    def _finish(self, metrics: dict) -> dict:
+        """After the last update. The weights are saved first, so that nothing after training (the final evaluation
+        and its metrics, a fit_end handler's plots or upload) can lose them; a failure there is one line saying
+        where they are (AfterTrainingError), after the final checkpoint is written."""
+        self._wait_for_checkpoint()  # the loop's last background write is committed before anything else
+        saved = [self.save_model()]
+        failed = None
+        try:
+            if self.eval_loader is not None or self.events.has("evaluate_end"):
+                metrics = self.evaluate(final=True)
+        except Exception as e:  # noqa: BLE001 - reported once the final checkpoint is written too
+            failed = ("the final evaluation", e)
+        if self.args.save_steps:
+            saved.append(self.save_checkpoint())
         self._wait_for_checkpoint()  # the end of fit() never leaves a write behind
-        self.save_model()
-        self.events.fire("fit_end", self, metrics)
+        if failed is None:
+            try:
+                self.events.fire("fit_end", self, metrics)
+            except Exception as e:  # noqa: BLE001
+                failed = ("a fit_end handler", e)
+        if failed is not None:
+            raise self._after_training_error(saved, *failed)
+        if self.accelerator.is_main_process:  # a previous attempt's, now answered
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.args.output_dir, AFTER_TRAINING_TRACEBACK))
         self.accelerator.end_training()
         return metrics
+
+    def _after_training_error(self, saved: list[str], what: str, error: Exception) -> AfterTrainingError:
+        """One line for a failure after training: what is saved where, what failed and how to run only that again.
+        A bug's traceback (not a UserError's: its message is the whole story) goes to a file the line names."""
+        detail = str(error)
+        if not isinstance(error, UserError):
+            first = (str(error).strip().splitlines() or [""])[0][:300].rstrip(".")
+            where = os.path.join(self.args.output_dir, AFTER_TRAINING_TRACEBACK)
+            if self.accelerator.is_main_process:
+                with open(where, "w") as f:
+                    traceback.print_exception(error, file=f)
+            detail = f"{type(error).__name__}: {first} (traceback in {where})"
+        again = (
+            "fix it, then run again with --resume_from_checkpoint latest, which does not train again"
+            if self.args.save_steps
+            else "fix it and evaluate the saved model"
+        )
+        return AfterTrainingError(
+            f"Training finished at step {self.global_step}; saved: {', '.join(saved)}. Then {what} failed: "
+            f"{detail.rstrip('.')}. The weights are safe: {again}."
+        )
+
+    @contextlib.contextmanager
+    def _no_write_left_behind(self):
+        """Around fit()'s loop and its end. Whatever ends them early (an exception, Ctrl-C, a NaN stop, a dead peer;
+        a preemption has already waited), a checkpoint still being written in the background is committed, or
+        cleanly absent, before the error goes on. Left to the interpreter's exit, the daemon thread would be stopped
+        mid-write (or abort the process inside torch) and the checkpoint lost. Bounded by the writer's timeout."""
+        try:
+            yield
+        except BaseException:
+            w = self._writer
+            if w is not None and w.in_flight():
+                self._finish_write_on_the_way_out(w)
+            raise
+
+    def _finish_write_on_the_way_out(self, w):
+        from .async_save import CheckpointWriteError
+
+        path = self._pending_path
+        try:
+            if w.pending():
+                self.reporter.print(
+                    f"Stopping: first finishing the checkpoint {path} being written in the background (at most "
+                    f"{w.timeout_s} s; interrupt again to abandon it)."
+                )
+            self._wait_for_checkpoint()
+            self.reporter.print(f"Checkpoint {path} committed; resume with --resume_from_checkpoint latest.")
+        except CheckpointWriteError as e:  # the error that ends the run goes on; this one is said, not lost
+            print(f"warning: {e}", file=sys.stderr, flush=True)
+        finally:
+            w.close()  # the run stops: the writer's group is not left to the interpreter's teardown
 
     def _progress_bar(self):
         # Not on a terminal (a log file, a SLURM job), a bar would flood the log: the plain line per log row stays.

@@ -9,6 +9,13 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                hang_at=R:N    rank R stops making progress after update N (SIGTERM ends it)
                                build_delay=S  sleep S s in build_data (a slow set-up: tokenising, loading)
                                save_fail=R:N  rank R fails writing the checkpoint of step N (PermissionError)
+                               raise_at=N     every rank raises a RuntimeError after update N (a bug in a handler)
+                               nan_at=N       the loss is NaN from update N on (--nan_policy stop ends the run)
+                               sigint_at=N    every rank gets SIGINT (Ctrl-C) after update N
+                               hold_save=N    the background write (--save_async) of step N holds before its
+                                              commit until one of the three faults above has fired, then until
+                                              the process is exiting or 3 s have passed: a run that leaves fit()
+                                              without waiting for the write loses the checkpoint, every time
 
 Under FSDP its `loss` also checks that no gradient was synced inside an accumulation window (see loss()).
 """
@@ -16,6 +23,7 @@ Under FSDP its `loss` also checks that no gradient was synced inside an accumula
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -34,6 +42,7 @@ from regression import (  # noqa: E402,F401
 from accel_trainer.faults import restart_count  # noqa: E402
 
 name = "regression"
+_faulted = threading.Event()  # raise_at / nan_at / sigint_at has fired (read by hold_save's background wait)
 
 
 @dataclass
@@ -51,7 +60,14 @@ def loss(model, batch):
     if isinstance(model, FSDPModule):
         synced = [name for name, p in model.named_parameters() if p.grad is not None]
         assert not synced, f"FSDP reduced gradients inside an accumulation window: {synced}"
-    return regression.loss(model, batch)
+    loss, n = regression.loss(model, batch)
+    if _nan_now:
+        _faulted.set()
+        return loss * float("nan"), n
+    return loss, n
+
+
+_nan_now = False  # set by nan_at, from the update_end before that update
 
 
 def build_data(ctx):
@@ -63,6 +79,10 @@ def build_data(ctx):
     return regression.build_data(ctx)
 
 
+KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
+        "hold_save")  # fmt: skip
+
+
 def _faults(trainer) -> dict:
     return _parse(trainer.recipe_args.faults)
 
@@ -71,7 +91,7 @@ def _parse(faults: str) -> dict:
     spec = {}
     for item in filter(None, (s.strip() for s in faults.split(","))):
         key, _, value = item.partition("=")
-        if key not in ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail"):
+        if key not in KEYS:
             raise ValueError(f"--faults: unknown key {key!r}")
         spec[key] = float(value) if key.endswith("delay") else tuple(int(v) for v in value.split(":"))
     return spec
@@ -88,11 +108,29 @@ def on_update_end(trainer):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             time.sleep(1)
+    if f.get("nan_at") == (step + 1,):
+        global _nan_now
+        _nan_now = True
+    if f.get("raise_at") == (step,):
+        _faulted.set()
+        raise RuntimeError(f"test fault: a handler fails after step {step}")
+    if f.get("sigint_at") == (step,):
+        _faulted.set()
+        os.kill(os.getpid(), signal.SIGINT)  # Python's default handler: KeyboardInterrupt in the main thread, now
 
 
 def on_checkpoint_staged(trainer, folder):
     f = _faults(trainer)
     time.sleep(f.get("save_delay", 0))
+    if f.get("hold_save") == (int(folder.rsplit("_", 1)[1]),):
+        # In the background thread. The main thread has stopped training (or will within a second of the fault);
+        # a process that exits without waiting for this write ends this thread at its next step (interpreter
+        # shutdown): then the checkpoint is never committed.
+        assert threading.current_thread() is not threading.main_thread(), "hold_save needs --save_async"
+        _faulted.wait(timeout=120)
+        until = time.monotonic() + 3
+        while threading.main_thread().is_alive() and time.monotonic() < until:
+            time.sleep(0.05)
     if f.get("save_fail") == (trainer.accelerator.process_index, int(folder.rsplit("_", 1)[1])):
         raise PermissionError(13, "Permission denied (test fault)", folder)
 

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import sys
+import threading
+import time
 
 import pytest
 from helpers import FSDP2, RECIPES, ROOT, launch_cmd, run_config
@@ -79,6 +81,30 @@ def test_a_failed_write_is_reported_even_at_the_end_of_fit(tmp_path, monkeypatch
     monkeypatch.setattr(async_save.AsyncWriter, "_write_files", failing)
     with pytest.raises(async_save.CheckpointWriteError, match="step_4 in the background failed"):
         make(tmp_path / "run", max_steps=4, save_steps=4, save_async=True).fit()
+    assert list_checkpoints(tmp_path / "run") == []
+
+
+def test_a_background_write_that_never_ends_is_given_up_after_the_timeout(tmp_path, monkeypatch):
+    # Every wait for a background write is bounded (--ddp_timeout): a write that hangs (a dead file system) ends the
+    # run with one line after that long, and is never committed, even if it ends later.
+    release, real = threading.Event(), async_save.AsyncWriter._write_files
+
+    def hung(self, tmp, *a):
+        release.wait(60)
+        return real(self, tmp, *a)
+
+    monkeypatch.setattr(async_save.AsyncWriter, "_write_files", hung)
+    trainer = make(tmp_path / "run", max_steps=4, save_steps=4, save_async=True, ddp_timeout=2)
+    started = time.monotonic()
+    try:
+        with pytest.raises(async_save.CheckpointWriteError, match="still being written in the background after 2 s"):
+            trainer.fit()
+        assert time.monotonic() - started < 60
+    finally:
+        release.set()
+    for t in threading.enumerate():  # the abandoned write ends: it must not commit then
+        if t.name == "accel-trainer-checkpoint":
+            t.join(30)
     assert list_checkpoints(tmp_path / "run") == []
 
 

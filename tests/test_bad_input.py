@@ -1,5 +1,6 @@
 """Bad input: a clear message naming the problem and the fix, a non-zero exit, nothing overwritten."""
 
+import json
 import os
 import subprocess
 import sys
@@ -220,3 +221,28 @@ def test_recipe_events_come_from_the_one_declaration():
         Recipe(
             build_model=module.build_model, build_data=module.build_data, loss=module.loss, events={"fit_begin": print}
         )
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_a_metric_that_fails_at_the_final_evaluation_keeps_the_trained_model(tmp_path):
+    # Per-token predictions [batch, tokens] with the built-in accuracy: training works, the final evaluation (the
+    # only one in a 1-epoch run) fails. The weights and the final checkpoint are saved first; one line says where,
+    # what failed (the traceback goes to a file it names) and how to run only the evaluation again; exit 1.
+    out = tmp_path / "o"
+    script = os.path.join(TESTS, "token_accuracy_recipe.py")
+    args = ["--output_dir", out, "--num_train_epochs", "1", "--disable_tqdm"]
+    proc = run(script, args, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: Training finished at step 16; saved: ") and str(out / "model.safetensors") in line
+    assert "the final evaluation failed: ValueError: Predictions and/or references" in line, line
+    assert (out / "model.safetensors").is_file() and (out / "checkpoints" / "step_16" / "manifest.json").is_file()
+    assert "Traceback" in (out / "error_after_training.txt").read_text() and "error_after_training.txt" in line
+    # The advice holds: with the metric fixed, resuming does not train again; it evaluates the saved state.
+    before = len((out / "metrics.jsonl").read_text().splitlines())
+    run(script, args + ["--flatten", "--resume_from_checkpoint", "latest"])
+    (row,) = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()[before:]]  # no training row
+    assert row["step"] == 16 and 0 <= row["eval_accuracy"] <= 1
+    assert not (out / "error_after_training.txt").exists()

@@ -354,3 +354,17 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tmp_pat
     assert len(aside) == 1 and sorted(os.listdir(out / "checkpoints" / aside[0])) == ["step_12", "step_8"]
     kept = load_file(out / "checkpoints" / aside[0] / "step_12" / "model.safetensors")
     assert all(torch.equal(old12[k], kept[k]) for k in old12)
+
+
+def test_auto_restart_moves_aside_a_best_model_it_cannot_compare_against(tmp_path, capsys):
+    # An earlier attempt (no checkpoint) kept best/ for another metric: this one cannot go on comparing against it,
+    # so best/ is moved aside, said on stderr, not deleted. (Same metric: kept, tests/test_fault_tolerance.py.)
+    out = tmp_path / "run"
+    (out / "best").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("")
+    (out / "best" / "best.json").write_text(json.dumps({"step": 10, "metric": "eval_mse", "value": 0.5}))
+    (out / "best" / "model.safetensors").write_bytes(b"earlier")
+    make(out, max_steps=2, metric_for_best_model="eval_loss", resume_from_checkpoint="auto")
+    (aside,) = [d for d in os.listdir(out) if d.startswith("best.previous-")]
+    assert (out / aside / "model.safetensors").read_bytes() == b"earlier" and not (out / "best").exists()
+    assert f"moved to {out / aside}" in capsys.readouterr().err

@@ -173,6 +173,52 @@ def test_save_async_sigterm_waits_for_the_pending_write_then_exits_75(tmp_path, 
     assert final_bytes(out) == references[1]
 
 
+@pytest.mark.parametrize("fault", ["raise_at=9", "nan_at=9", "sigint_at=9"])
+def test_save_async_a_run_that_fails_one_update_after_a_save_commits_it_and_resumes(tmp_path, runs, references, fault):
+    # The run fails one update after the async save of step 8 started (a handler's exception, a NaN loss, Ctrl-C),
+    # while that write is still in flight: hold_save keeps it from committing until the process is on its way
+    # out. fit() waits for it on the way out: step_8 is committed (no .tmp_step_8 left, no abort at exit), and
+    # the run resumed from it is the uninterrupted one, bit for bit.
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 1, ["--save_async"], faults=f"hold_save=8,{fault}")
+    rc = r.wait(timeout=120)
+    log = r.output()
+    expected = {
+        "raise_at": "RuntimeError: test fault: a handler fails after step 9",
+        "nan_at": "error: Loss is nan at step 9",
+        "sigint_at": "KeyboardInterrupt",
+    }[fault.split("=")[0]]
+    assert rc not in (0, -signal.SIGABRT) and expected in log, log
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_4", "step_8"], log
+    assert "the background" in log and "step_8" in log, log  # it said what it waited for
+    assert os.path.isfile(out / "checkpoints" / "step_8" / "manifest.json")
+    r = start(runs, tmp_path, out, 1, ["--resume_from_checkpoint", "latest", "--save_async"])
+    assert r.wait() == 0, r.output()
+    assert f"Resumed from {out / 'checkpoints' / 'step_8'}" in r.output(None)
+    assert final_bytes(out) == references[1]
+
+
+def test_a_requeued_run_without_checkpoint_keeps_the_best_model_of_the_attempt_before(tmp_path, runs):
+    # Killed after best/ (step 10) but before any checkpoint, then started again with `auto` (what the generated
+    # SLURM script passes): the run starts over, and best/ stays until this run evaluates better than it did.
+    out = tmp_path / "run"
+    best = ["--eval_steps", "10", "--metric_for_best_model", "eval_loss", "--save_steps", "100"]
+    r = start(runs, tmp_path, out, 1, best, faults="exit_at=0:12")
+    assert r.wait() == 3, r.output()
+    assert not (out / "checkpoints").exists()
+    record, weights = json.loads((out / "best" / "best.json").read_text()), (out / "best" / "model.safetensors")
+    kept = weights.read_bytes()
+    assert record["step"] == 10
+    r = start(runs, tmp_path, out, 1, best + ["--resume_from_checkpoint", "auto"], faults="exit_at=0:3")
+    assert r.wait() == 3, r.output()  # started over; killed again before its first evaluation
+    assert json.loads((out / "best" / "best.json").read_text()) == record and weights.read_bytes() == kept
+    assert f"{out / 'best'}" in r.output() and "kept" in r.output(), r.output()
+    r = start(runs, tmp_path, out, 1, best + ["--resume_from_checkpoint", "auto"])
+    assert r.wait() == 0, r.output()
+    final = json.loads((out / "best" / "best.json").read_text())
+    assert final["metric"] == "eval_loss" and final["value"] <= record["value"]
+
+
 def test_save_async_failed_write_on_one_rank_stops_both_ranks_with_one_line_each(tmp_path, runs):
     # Rank 1 fails to write step 8 in the background: every rank learns it, both stop at the same update (no
     # rank is left waiting in a collective: no peer-failure report), each with one line; step 4 stays `latest`.
@@ -303,5 +349,28 @@ def test_disk_full_during_a_checkpoint_is_one_line_naming_the_last_good_step(tmp
         assert "The disk is full" in errors[0] and str(out / "checkpoints") in errors[0], errors[0]
         assert f"the last good checkpoint is step {step} ({good})" in errors[0], errors[0]
         assert step >= 2 and not (out / "model.safetensors").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_disk_full_while_logging_is_one_line(tmp_path):
+    # A real full disk outside any checkpoint or model write: a 12 KiB tmpfs fills with metrics.jsonl's rows
+    # (no checkpoints: --save_steps 0). One line (run.py's disk-full branch), exit 1, no traceback.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        out = disk / "run"
+        args = ["--max_steps", "200", "--save_steps", "0", "--logging_steps", "1", "--disable_tqdm"]
+        proc = subprocess.run(
+            launch_cmd(1) + [SCRIPT, "--output_dir", str(out), *args],
+            capture_output=True, text=True, timeout=240, env=env(),
+        )  # fmt: skip
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("error: The disk is full: writing ") and str(out) in line, line
+        assert "no checkpoint yet" in line and 0 < last_step(out) < 200, line
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
