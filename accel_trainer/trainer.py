@@ -458,20 +458,23 @@ class Trainer:
             return self._finish(metrics)
 
     def _finish(self, metrics: dict) -> dict:
-        """After the last update. The weights are saved first, so that nothing after training (the final evaluation
-        and its metrics, a fit_end handler's plots or upload) can lose them; a failure there is one line saying
-        where they are (AfterTrainingError), after the final checkpoint is written."""
+        """After the last update. The final checkpoint, then the weights, are saved first, so that nothing after
+        training (the final evaluation and its metrics, a fit_end handler's plots or upload) can lose them, and a
+        model file that cannot be written still leaves the final checkpoint; a failure after training is one line
+        saying where they are (AfterTrainingError). A resumed finished checkpoint evaluates again, without an
+        update, so the final evaluation need not be in it."""
         self._wait_for_checkpoint()  # the loop's last background write is committed before anything else
-        saved = [self.save_model()]
+        saved = []
+        if self.args.save_steps:
+            saved.append(self.save_checkpoint())
+            self._wait_for_checkpoint()  # committed before the model file is written
+        saved.insert(0, self.save_model())
         failed = None
         try:
             if self.eval_loader is not None or self.events.has("evaluate_end"):
                 metrics = self.evaluate(final=True)
-        except Exception as e:  # noqa: BLE001 - reported once the final checkpoint is written too
+        except Exception as e:  # noqa: BLE001 - reported in one line, after the saves above
             failed = ("the final evaluation", e)
-        if self.args.save_steps:
-            saved.append(self.save_checkpoint())
-        self._wait_for_checkpoint()  # the end of fit() never leaves a write behind
         if failed is None:
             try:
                 self.events.fire("fit_end", self, metrics)
