@@ -91,6 +91,29 @@ def test_ema_weights_are_evaluated_and_saved(tmp_path):
     assert not torch.equal(saved["0.weight"], raw["0.weight"])
 
 
+def test_evaluation_uses_the_ema_weights(tmp_path):
+    # README/docs: "--ema_decay: ... evaluation uses it". The eval loss the Trainer logs and returns is that of the
+    # saved EMA weights, computed here by hand over the recipe's eval split, and not that of the trained weights.
+    t = make(tmp_path, max_steps=30, ema_decay=0.9, logging_steps=30)
+    final = t.fit()
+    evald = regression.build_data(t.ctx)["eval"].tensors
+
+    def eval_loss(weights):
+        model = regression.build_model(t.ctx)
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            err = (model(evald["x"]) - evald["y"]) ** 2 * evald["mask"]
+        return (err.sum() / evald["mask"].sum()).item()
+
+    ema = eval_loss(load_file(os.path.join(t.args.output_dir, "model.safetensors")))
+    raw = eval_loss(t.unwrapped_model.state_dict())
+    assert abs(ema - raw) > 1e-3 * raw, (ema, raw)  # the two differ, so the check below can tell them apart
+    assert final["eval_loss"] == pytest.approx(ema, rel=1e-5)
+    assert t.evaluate()["eval_loss"] == pytest.approx(ema, rel=1e-5)
+    logged = [json.loads(line) for line in open(os.path.join(t.args.output_dir, "metrics.jsonl"))]
+    assert [r["eval_loss"] for r in logged if "eval_loss" in r][-1] == pytest.approx(ema, rel=1e-5)
+
+
 def test_fp16_overflow_skips_are_counted_and_logged(tmp_path):
     # Accelerate gives no GradScaler on the CPU, so we put torch's own in its place: the Trainer's fp16 path
     # (scaler.step, overflow detection, skip counting, loss_scale logging) is the same on a GPU.
