@@ -42,14 +42,13 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def dotted_name_pickle(marker) -> bytes:
+def dotted_name_pickle(marker, module="torch.distributed.checkpoint.metadata", name="os.system") -> bytes:
     """Protocol 4: STACK_GLOBAL of the dotted name `os.system` under torch.distributed.checkpoint.metadata (a module
     DCP metadata's classes live in, which imports os); plain pickle resolves it to os.system, then calls it."""
 
     def text(s: str) -> bytes:  # BINUNICODE
         return b"X" + struct.pack("<I", len(s.encode())) + s.encode()
 
-    module, name = "torch.distributed.checkpoint.metadata", "os.system"
     return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(f"touch {marker}") + b"\x85R."
 
 
@@ -262,3 +261,68 @@ def test_crafted_checkpoints_are_refused_and_latest_falls_back(runs, kind, tmp_p
     assert f"Resumed from {root / 'step_8'} at step 8" in log, log[-5000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert max(r["step"] for r in rows if "loss" in r) == 10  # it trained on, from step 8 (both ranks, for FSDP)
+
+
+def test_dcp_metadata_admits_exactly_dcp_classes(runs, tmp_path):
+    """The allow-list is exact (module, name) pairs: DCP's real metadata loads; a dotted name under any module it
+    admits, or any other global of those modules, is refused without running."""
+    fsdp = runs / "fsdp" / "checkpoints" / "step_8"
+    for rel in ("pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"):
+        meta = ckpt.read_dcp_metadata(str(fsdp), str(fsdp / rel))
+        assert meta.state_dict_metadata and meta.storage_data
+    marker = tmp_path / "pwned"
+    modules = ["torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem", "torch",
+               "torch.serialization", "pathlib", "collections"]  # fmt: skip
+    crafted = [dotted_name_pickle(marker)] + [dotted_name_pickle(marker, m) for m in modules]
+    crafted += [dotted_name_pickle(marker, m, n) for m, n in [("torch", "load"), ("builtins", "eval"), ("os", "system"),
+                ("torch.distributed.checkpoint.metadata", "os"), ("torch.serialization", "load")]]  # fmt: skip
+    for i, data in enumerate(crafted):
+        (tmp_path / f"{i}.metadata").write_bytes(data)
+        with pytest.raises(ckpt.CheckpointError, match=rf"{i}\.metadata cannot be loaded safely"):
+            ckpt.read_dcp_metadata(str(tmp_path), str(tmp_path / f"{i}.metadata"))
+    assert not marker.exists()
+
+
+def test_what_the_folder_holds_is_checked_whatever_the_manifest_says(runs, tmp_path):
+    good = runs / "1" / "checkpoints" / "step_8"
+
+    def copy(name):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        return folder
+
+    def manifest_with(folder, rel, meta):
+        manifest = json.load(open(folder / "manifest.json"))
+        manifest["files"][rel] = meta
+        json.dump(manifest, open(folder / "manifest.json", "w"))
+
+    folder = copy("absolute")
+    manifest_with(folder, "/etc/hostname", {"size": 1, "sha256": "0"})
+    with pytest.raises(ckpt.CheckpointError, match="names '/etc/hostname'.*not a plain path inside"):
+        ckpt.verify_checkpoint(str(folder))
+    folder = copy("malformed_entry")
+    manifest_with(folder, "scheduler.bin", {"size": "12"})
+    with pytest.raises(ckpt.CheckpointError, match=r"manifest\.json is malformed \(entry 'scheduler\.bin'"):
+        ckpt.verify_checkpoint(str(folder))
+    folder = copy("fifo")  # hashing it would block forever
+    os.mkfifo(folder / "notes")
+    with pytest.raises(ckpt.CheckpointError, match="notes is not a regular file"):
+        ckpt.verify_checkpoint(str(folder))
+    folder = copy("state")
+    state = json.load(open(folder / "trainer_state.json"))
+    del state["num_processes"]
+    json.dump(state, open(folder / "trainer_state.json", "w"))
+    ckpt.write_manifest(str(folder), {**state, "num_processes": 1})  # re-hashed: only its content is wrong
+    with pytest.raises(ckpt.CheckpointError, match=r"trainer_state\.json lacks num_processes"):
+        ckpt.verify_checkpoint(str(folder))
+    # an unlisted file nothing reads is named in a warning; the checkpoint stays usable
+    folder = copy("readme")
+    (folder / "README.txt").write_text("notes")
+    said = []
+    ckpt.verify_checkpoint(str(folder), said.append)
+    assert len(said) == 1 and "README.txt is not listed in manifest.json; nothing reads it" in said[0]
+    # ... but one that something reads is refused (here: Accelerate's RNG state, which it would load silently)
+    folder = copy("rng")
+    unlist(folder, "random_states_0.pkl")
+    with pytest.raises(ckpt.CheckpointError, match=r"random_states_0\.pkl is not listed in manifest\.json"):
+        ckpt.verify_checkpoint(str(folder))
