@@ -800,8 +800,6 @@ def _dcp_unpickler(file):
 def read_dcp_metadata(path: str, file: str):
     """The DCP metadata in `file` (of checkpoint `path`), unpickled with the allow-list and checked to be DCP's
     Metadata; CheckpointError (one line naming the file) for anything else: empty, truncated, foreign, unsafe."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     try:
         with open(file, "rb") as f:
             meta = _dcp_unpickler(f).load()
@@ -810,15 +808,47 @@ def read_dcp_metadata(path: str, file: str):
             f"Checkpoint {path}: {file} cannot be loaded safely ({_why(e)}). Only the classes of "
             "torch.distributed.checkpoint metadata are admitted; nothing in it was run."
         ) from None
-    if not (
-        isinstance(meta, Metadata)
-        and isinstance(meta.state_dict_metadata, dict)
-        and isinstance(meta.storage_data, dict)
-    ):
+    if not _well_formed_dcp(meta):
         raise CheckpointError(
-            f"Checkpoint {path}: {file} is not DCP metadata (it holds {type(meta).__name__}); the checkpoint is damaged."
+            f"Checkpoint {path}: {file} is not well-formed DCP metadata (it holds {type(meta).__name__}); the "
+            "checkpoint is damaged."
         )
     return meta
+
+
+def _well_formed_dcp(meta) -> bool:
+    """The fields DCP and this module read, present and of their types: an allowed class can still be built
+    without its fields (pickle sets __dict__ to anything), which would fail later as an AttributeError."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # what FileSystemReader's metadata holds
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def item(name, v) -> bool:  # state_dict_metadata: a tensor's global shape and chunks, or a pickled item
+        if isinstance(v, TensorStorageMetadata):
+            ok = isinstance(v.size, torch.Size) and isinstance(v.chunks, list)
+            return isinstance(name, str) and ok and isinstance(v.properties, TensorProperties)
+        return isinstance(name, str) and isinstance(v, BytesStorageMetadata)
+
+    def stored(index, info) -> bool:  # storage_data: where an item's bytes are
+        ok = isinstance(index, MetadataIndex) and isinstance(index.fqn, str) and isinstance(info, _StorageInfo)
+        return ok and isinstance(info.relative_path, str) and type(info.offset) is int and type(info.length) is int
+
+    try:
+        return (
+            isinstance(meta, Metadata)
+            and isinstance(meta.state_dict_metadata, dict)
+            and isinstance(meta.storage_data, dict)
+            and all(item(k, v) for k, v in meta.state_dict_metadata.items())
+            and all(stored(i, v) for i, v in meta.storage_data.items())
+        )
+    except AttributeError:
+        return False
 
 
 def check_dcp_metadata_safe(path: str, manifest: dict):
@@ -834,20 +864,19 @@ def check_dcp_metadata_safe(path: str, manifest: dict):
 
 
 def _check_dcp_storage(path: str, file: str, meta):
+    """Every storage entry of a well-formed `meta` names a file of its folder; its non-tensor items load with
+    weights_only=True."""
     import io
 
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo  # what FileSystemReader's metadata holds
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     folder = os.path.dirname(file)
     items = {k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
     for index, info in meta.storage_data.items():
-        ok = isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo)
-        if not (ok and _plain_relative(info.relative_path) and os.sep not in info.relative_path):
+        if not _plain_relative(info.relative_path) or os.sep in info.relative_path:
             raise CheckpointError(
-                f"Checkpoint {path}: {file} names a storage file outside its folder or malformed "
-                f"({getattr(info, 'relative_path', info)!r}); refused."
+                f"Checkpoint {path}: {file} names a storage file outside its folder ({info.relative_path!r}); refused."
             )
         shard = os.path.join(folder, info.relative_path)
         if not os.path.isfile(shard):
@@ -891,6 +920,10 @@ def load_resharded(path: str, model, optimizer=None, scheduler=None):
         set_optimizer_state_dict,
     )
 
+    folders = [f"{FSDP_MODEL_NAME}_0"] + ([f"{OPTIMIZER_NAME}_0"] if optimizer is not None else [])
+    for folder in folders:  # torch's plain pickle.load reads them next: also when called on an unverified folder
+        file = os.path.join(path, folder, _DCP_META)
+        _check_dcp_storage(path, file, read_dcp_metadata(path, file))
     state = {"model": get_model_state_dict(model)}  # names without wrapper prefixes, this rank's shapes
     dcp.load(state, checkpoint_id=os.path.join(path, f"{FSDP_MODEL_NAME}_0"))
     set_model_state_dict(model, state["model"])

@@ -281,6 +281,12 @@ def test_dcp_metadata_admits_exactly_dcp_classes(runs, tmp_path):
         with pytest.raises(ckpt.CheckpointError, match=rf"{i}\.metadata cannot be loaded safely"):
             ckpt.read_dcp_metadata(str(tmp_path), str(tmp_path / f"{i}.metadata"))
     assert not marker.exists()
+    # DCP's own class without its fields (pickle sets any state): a CheckpointError, not an AttributeError later
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    (tmp_path / "fieldless.metadata").write_bytes(pickle.dumps(Metadata.__new__(Metadata)))
+    with pytest.raises(ckpt.CheckpointError, match=r"fieldless\.metadata is not well-formed DCP metadata"):
+        ckpt.read_dcp_metadata(str(tmp_path), str(tmp_path / "fieldless.metadata"))
 
 
 def test_what_the_folder_holds_is_checked_whatever_the_manifest_says(runs, tmp_path):
