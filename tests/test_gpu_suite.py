@@ -14,7 +14,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from helpers import RECIPES, ROOT, env
+from helpers import RECIPES, ROOT, env, metrics
 
 
 def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
@@ -99,3 +99,24 @@ def test_fp8_row_command_runs(suite, tmp_path):
     assert config["topology"]["mixed_precision"] == "no" and config["fp8_layers"] is None
     losses = [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in line]
     assert losses
+
+
+def test_torch_compile_compiles_where_flops_are_counted(tmp_path):
+    # On every H100/H200 the peak is known, so the first update counts its FLOPs. Under torch.utils.flop_counter's
+    # dispatch mode dynamo does not trace, and it marked the model's code as skipped for the rest of the process:
+    # --torch_compile compiled 0 graphs on a GPU. --peak_tflops takes the same path on a CPU.
+    from torch._dynamo.utils import counters  # dynamo's own graph count (private; no public counter exists)
+
+    sys.path.insert(0, RECIPES)
+    import regression
+
+    from accel_trainer import Trainer
+
+    before = counters["stats"]["unique_graphs"]
+    t = Trainer.from_recipe(regression, output_dir=str(tmp_path), peak_tflops=1.0, torch_compile=True, max_steps=4,
+                            logging_steps=2, save_steps=0, quiet=True, disable_tqdm=True)  # fmt: skip
+    t.fit()
+    assert counters["stats"]["unique_graphs"] > before, dict(counters["stats"])
+    forward = 2 * 16 * (16 * 32 + 32 * 4)  # the MLP of tests/test_observability.py's MFU test: the same count
+    assert t.meter.flops_per_update == forward + 2 * 16 * 32 * 4 * 2 + 2 * 16 * 16 * 32
+    assert all(m["mfu"] > 0 for m in metrics(t.args.output_dir) if "loss" in m)
