@@ -15,7 +15,8 @@ already syncs the host for the loss.
 MFU: the FLOPs of the first update on this rank, counted once by torch.utils.flop_counter while it runs (no extra
 forward; under --torch_compile that update runs eagerly, see FlopCount), times the updates since the last row, over
 the wall time and the device's peak (--peak_tflops, or the table below for a detected GPU). Later updates with other
-shapes (text of other lengths) are estimated by the first. The table is looked up by the exact model name: a GPU it does not list gives no MFU, never another model's.
+shapes (text of other lengths) are estimated by the first. The table is looked up by the exact model name: a GPU it
+does not list gives no MFU, never another model's.
 """
 
 from __future__ import annotations
