@@ -8,8 +8,10 @@ one table on the screen and the same as JSON. Under 9 minutes on one H100/H200.
 Checks (rows), GPU mode / CPU reduced mode:
 
   cifar_5_seeds   bench/cifar.py --seeds 5 --warmup (recipes/cifar.py default preset = airbench94, bf16): accuracy,
-                  TTA accuracy, time to 94% (training time, evals excluded), images/s; goal: mean >= 94% and time to
-                  94% < 2.5 s. CPU: 2 seeds on a tiny generated CIFAR (widths 8,16,16, batch 40, 2 epochs).
+                  TTA accuracy, training time (per-epoch evals excluded), images/s. The goal is airbench's: the mean
+                  TTA accuracy over the seeds >= 94% and the mean training time < 2.5 s (airbench94 reports 94.01%
+                  in 3.83 s on an A100 this way); beside it, how many seeds reached 94% on their own. CPU: 2 seeds on
+                  a tiny generated CIFAR (widths 8,16,16, batch 40, 2 epochs).
   bf16            recipes/cifar.py --mixed_precision bf16 --nan_policy skip, 1 seed: accuracy, skipped steps (bf16 has
                   no loss scale). CPU: the tiny run (bf16 autocast works on a CPU).
   fp16            the same with fp16: loss scale (last and lowest logged), skipped steps. CPU: skipped -- Accelerate
@@ -124,27 +126,40 @@ def check_cifar(s: Suite) -> dict:
     s.sh("cifar_5_seeds", cmd)
     with open(os.path.join(out, "summary.json")) as f:
         runs = json.load(f)["runs"]
-    reached = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
-    m = {
+    m = cifar_metrics(runs)
+    logged = [last(read_rows(os.path.join(out, f"seed{r['seed']}")), "peak_memory_mb") for r in runs]
+    m["logged_peak_memory_mb"] = max((v for v in logged if v is not None), default=None)
+    tta = f" (tta {m['tta_accuracy_mean']:.4f})" if m["tta_accuracy_mean"] is not None else ""
+    summary = (
+        f"acc {m['accuracy_mean']:.4f}{tta}, {m['reached_94']} seeds >= 94%, train {m['train_s_mean']:.2f} s, "
+        f"{m['images_per_s_mean']:.0f} img/s"
+    )
+    return {"metrics": m, "summary": summary, "goal": CIFAR_GOAL, "met": cifar_goal_met(m) if s.gpu else None}
+
+
+CIFAR_GOAL = "mean TTA accuracy >= 0.94 and mean training time < 2.5 s (airbench's definition)"
+
+
+def cifar_metrics(runs: list[dict]) -> dict:
+    """The cifar_5_seeds numbers from bench/cifar.py's runs, as airbench states its result: the mean TTA accuracy
+    over the seeds (the plain accuracy where a run had no TTA) and the mean training time; beside them, the seeds
+    that reached 94% on their own (at a mean of 94.01% and sd 0.13, about half of them do)."""
+    final = [r["tta_accuracy"] if r["tta_accuracy"] is not None else r["accuracy"] for r in runs]
+    return {
         "seeds": len(runs),
         "accuracy_mean": mean(r["accuracy"] for r in runs),
         "accuracy_min": min(r["accuracy"] for r in runs),
         "tta_accuracy_mean": mean(r["tta_accuracy"] for r in runs),
-        "time_to_94_mean_s": mean(reached) if len(reached) == len(runs) else None,
-        "reached_94": f"{len(reached)}/{len(runs)}",
-        "images_per_s_mean": mean(r["images_per_s"] for r in runs),
+        "final_accuracy_mean": mean(final),
+        "reached_94": f"{sum(a >= 0.94 for a in final)}/{len(runs)}",
         "train_s_mean": mean(r["train_s"] for r in runs),
+        "images_per_s_mean": mean(r["images_per_s"] for r in runs),
         "peak_memory_mb": max(r["peak_memory_mb"] for r in runs),
     }
-    logged = [last(read_rows(os.path.join(out, f"seed{r['seed']}")), "peak_memory_mb") for r in runs]
-    m["logged_peak_memory_mb"] = max((v for v in logged if v is not None), default=None)
-    acc = f"{m['accuracy_mean']:.4f}" + (f" (tta {m['tta_accuracy_mean']:.4f})" if m["tta_accuracy_mean"] else "")
-    t94 = f"{m['time_to_94_mean_s']:.2f} s" if m["time_to_94_mean_s"] is not None else "not reached"
-    summary = f"acc {acc}, to 94% {t94} ({m['reached_94']}), {m['images_per_s_mean']:.0f} img/s"
-    goal = None
-    if s.gpu:
-        goal = m["accuracy_mean"] >= 0.94 and m["time_to_94_mean_s"] is not None and m["time_to_94_mean_s"] < 2.5
-    return {"metrics": m, "summary": summary, "goal": "mean accuracy >= 0.94 and time to 94% < 2.5 s", "met": goal}
+
+
+def cifar_goal_met(m: dict) -> bool:
+    return m["final_accuracy_mean"] >= 0.94 and m["train_s_mean"] < 2.5
 
 
 def _precision_run(s: Suite, name: str, precision: str) -> dict:
@@ -329,16 +344,27 @@ def skip_reason(s: Suite, name: str) -> str | None:
             return f"{NEEDS_CUDA} (compute capability >= 8.9)"
         import torch
 
-        from accel_trainer.precision import has_fp8
-
-        if not has_fp8("cuda"):
-            cc = torch.cuda.get_device_capability()
+        # Not accel_trainer.precision.has_fp8: this process imports nothing of the package (see tiny_dataset).
+        cc = torch.cuda.get_device_capability()
+        if cc < (8, 9):
             return f"skipped: needs compute capability >= 8.9 (this GPU: {cc[0]}.{cc[1]})"
         from accelerate.utils import is_msamp_available, is_torchao_available, is_transformer_engine_available
 
         if not (is_transformer_engine_available() or is_torchao_available() or is_msamp_available()):
             return "skipped: no fp8 backend installed (transformer-engine, torchao or MS-AMP)"
     return None
+
+
+def run_row(s: Suite, name: str) -> dict:
+    """One row: skipped, ok with its numbers, or failed with one line. Deciding to skip is inside the `try` too: a
+    check that cannot even ask its question must not end the suite before the table and the JSON."""
+    try:
+        reason = skip_reason(s, name)
+        return {"status": reason} if reason else {"status": "ok", **CHECKS[name](s)}
+    except CheckFailed as e:
+        return {"status": f"failed: {e}"}
+    except Exception as e:  # a bug in a check must not hide the other rows
+        return {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -349,7 +375,9 @@ def tiny_dataset(out: str) -> str:
         import datasets
 
         datasets.disable_progress_bars()
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        # cifar_fixtures imports recipes/cifar_data.py, which imports accel_trainer: where the package is not
+        # installed (the GPU machine), only the children have this checkout on their path (harness.child_env).
+        sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
         from cifar_fixtures import make_tiny_cifar
 
         make_tiny_cifar(root)
@@ -403,16 +431,7 @@ def main():
     print(f"bench/gpu.py, {mode} mode, on {device_name(s.gpu)}; torch {torch.__version__}", flush=True)
     for name in ROWS:
         t0 = time.perf_counter()
-        reason = skip_reason(s, name)
-        if reason:
-            row = {"status": reason}
-        else:
-            try:
-                row = {"status": "ok", **CHECKS[name](s)}
-            except CheckFailed as e:
-                row = {"status": f"failed: {e}"}
-            except Exception as e:  # a bug in a check must not hide the other rows
-                row = {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        row = run_row(s, name)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         s.rows[name] = row
         print(f"  {name:14s} {row['status'] if row['status'] != 'ok' else row.get('summary', 'ok')}", flush=True)
