@@ -4,6 +4,8 @@ one table on the screen and the same as JSON. Under 9 minutes on one H100/H200.
     python bench/gpu.py --dataset ../shared/data/cifar10            # a GPU machine: the full suite
     python bench/gpu.py --cpu                                       # reduced mode, any machine (~1-2 min on 2 cores)
     python bench/gpu.py --json runs/gpu_suite.json --skip torch_compile
+    python bench/gpu.py --dataset DIR --budget 330                  # ends within 330 s: rows left are skipped
+    bench/gpu_run.sh --data DIR --out DIR [--wheels DIR]            # the whole GPU run in one command
 
 Checks (rows), GPU mode / CPU reduced mode:
 
@@ -21,15 +23,19 @@ Checks (rows), GPU mode / CPU reduced mode:
                   capability >= 8.9 and an fp8 backend is installed, else skipped: the number of layers that ran in
                   fp8 (the Trainer's count in run_config.json); failed when none did or the loss did not go down.
                   Not yet run on a GPU. CPU: skipped.
-  torch_compile   bench/cifar.py --torch_compile --warmup, 2 seeds: images/s vs the eager cifar_5_seeds row, accuracy.
-                  CPU: the tiny run through recipes/cifar.py --torch_compile (inductor; ~30 s of compiling cold).
+  torch_compile   bench/cifar.py --torch_compile --warmup, 2 seeds: images/s vs the eager cifar_5_seeds row, accuracy,
+                  and the graphs dynamo compiled in that process (failed when none: a model that never compiled
+                  trains at eager speed and looks fine). CPU: the tiny run through recipes/cifar.py
+                  --torch_compile (inductor; ~30 s of compiling cold on an idle machine).
   overhead        bench/overhead.py on the GPU, 3 rounds x 600 steps: ms per update of the Trainer vs a hand-written
                   loop and bare Accelerate, like for like (the same MLP 256-512-512-10, batch 64, data path and
                   AdamW, no clipping); goal trainer <= 1.02x plain. CPU: bench/overhead.py --cpu, 1 round x 100.
   peak_memory     the largest peak over the cifar_5_seeds runs (torch.cuda.max_memory_allocated; CPU: peak RSS),
                   and the Trainer's own logged peak_memory_mb when present.
 
-Every row gets a status: "ok", "failed: <one line>" (the log is under --out/logs/), or "skipped: <why>".
+Every row gets a status: "ok", "failed: <one line>" (the log is under --out/logs/), or "skipped: <why>". With
+--budget, no command runs past the suite's deadline and the rows left when it passes are skipped: the table and the
+JSON come out in time, with what fitted.
 Goals are judged only in GPU mode. The exit status is 1 when a row failed, else 0.
 
 Data and wheels: the GPU machine needs the CIFAR-10 folder (`--dataset`, default shared/data/cifar10 or
@@ -69,23 +75,32 @@ class Suite:
         self.logs = os.path.join(self.out, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.rows: dict[str, dict] = {}
+        self.deadline = time.monotonic() + a.budget if a.budget else None
         if self.gpu:
             self.env = harness.child_env(threads=None)
         else:  # the reduced mode is about paths, not speed: one thread, light on a shared CPU
             self.env = harness.child_env(threads=1, CUDA_VISIBLE_DEVICES="")  # --cpu on a GPU machine: the CPU
 
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
     def sh(self, name: str, cmd: list[str], timeout: float | None = None) -> str:
         """Run a command; its output goes to logs/<name>.log. A non-zero exit raises CheckFailed with its last line."""
         log = os.path.join(self.logs, f"{name}.log")
+        timeout = timeout or self.a.timeout
+        if self.deadline is not None:
+            timeout = min(timeout, self.time_left())
+            if timeout < 1:
+                raise CheckFailed(f"no time left in --budget {self.a.budget:.0f} s")
         with open(log, "w") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
             try:
                 rc = subprocess.run(
-                    cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, timeout=timeout or self.a.timeout
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, timeout=timeout
                 ).returncode
             except subprocess.TimeoutExpired:
-                raise CheckFailed(f"timed out after {timeout or self.a.timeout:.0f} s (log: {log})") from None
+                raise CheckFailed(f"timed out after {timeout:.0f} s (log: {log})") from None
         with open(log) as f:
             text = f.read()
         if rc != 0:
@@ -249,11 +264,36 @@ def check_fp8(s: Suite) -> dict:
     return {"metrics": m, "summary": summary}
 
 
+COUNT_GRAPHS = "--count_graphs"  # bench/gpu.py --count_graphs SCRIPT ARGS...: see count_graphs()
+
+
+def count_graphs(argv: list[str]) -> None:
+    """SCRIPT ARGS run as `python SCRIPT ARGS`, then one line `GRAPHS {...}`: dynamo's counts for the process (the
+    compile row's proof that torch.compile compiled something; under a FLOP-counting dispatch mode it once
+    compiled nothing and the run just trained at eager speed)."""
+    import runpy
+
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` sets it
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        from torch._dynamo.utils import counters  # private: torch has no public count of the graphs it compiled
+
+        print("GRAPHS " + json.dumps({k: int(v) for k, v in counters["stats"].items()}), flush=True)
+
+
+def compiled_graphs(log_text: str) -> int:
+    lines = [line for line in log_text.splitlines() if line.startswith("GRAPHS ")]
+    return json.loads(lines[-1][7:]).get("unique_graphs", 0) if lines else 0
+
+
 def check_compile(s: Suite) -> dict:
+    counted = [sys.executable, "bench/gpu.py", COUNT_GRAPHS]
     if s.gpu:
         out = os.path.join(s.out, "compile")
-        cmd = [sys.executable, "bench/cifar.py", "--seeds", "2", "--warmup", "--torch_compile", "--target", "0.94"]
-        s.sh("torch_compile", cmd + ["--out", out] + s.cifar_args())
+        cmd = counted + ["bench/cifar.py", "--seeds", "2", "--warmup", "--torch_compile", "--target", "0.94"]
+        text = s.sh("torch_compile", cmd + ["--out", out] + s.cifar_args())
         with open(os.path.join(out, "summary.json")) as f:
             runs = json.load(f)["runs"]
         m = {
@@ -263,16 +303,19 @@ def check_compile(s: Suite) -> dict:
         }
     else:
         out = os.path.join(s.out, "compile")
-        cmd = [sys.executable, "recipes/cifar.py", *s.cifar_args(), "--torch_compile", "--output_dir", out]
-        s.sh("torch_compile", cmd + ["--overwrite_output_dir", "--disable_tqdm", "--logging_steps", "2"])
+        cmd = counted + ["recipes/cifar.py", *s.cifar_args(), "--torch_compile", "--output_dir", out]
+        text = s.sh("torch_compile", cmd + ["--overwrite_output_dir", "--disable_tqdm", "--logging_steps", "2"])
         rows = read_rows(out)
         rates = [r["samples_per_second"] for r in rows if "samples_per_second" in r][1:]  # the first holds compiling
         m = {"accuracy_mean": last(rows, "eval_accuracy"), "images_per_s_mean": mean(rates) if rates else None}
+    m["compiled_graphs"] = compiled_graphs(text)
+    if not m["compiled_graphs"]:
+        raise CheckFailed("--torch_compile compiled no graph (dynamo's count is 0): the run was eager")
     eager = s.rows.get("cifar_5_seeds", {}).get("metrics", {}).get("images_per_s_mean")
     if s.gpu and eager and m["images_per_s_mean"]:
         m["speedup_vs_eager"] = m["images_per_s_mean"] / eager
     speed = f"{m['images_per_s_mean']:.0f} img/s" if m["images_per_s_mean"] else "img/s n/a"
-    summary = f"acc {m['accuracy_mean']:.4f}, {speed}" + (
+    summary = f"acc {m['accuracy_mean']:.4f}, {speed}, {m['compiled_graphs']} graphs" + (
         f", x{m['speedup_vs_eager']:.2f} of eager" if "speedup_vs_eager" in m else ""
     )
     return {"metrics": m, "summary": summary}
@@ -360,6 +403,8 @@ def run_row(s: Suite, name: str) -> dict:
     check that cannot even ask its question must not end the suite before the table and the JSON."""
     try:
         reason = skip_reason(s, name)
+        if not reason and s.deadline is not None and s.time_left() < 1 and name != "peak_memory":
+            reason = f"skipped: no time left in --budget {s.a.budget:.0f} s"
         return {"status": reason} if reason else {"status": "ok", **CHECKS[name](s)}
     except CheckFailed as e:
         return {"status": f"failed: {e}"}
@@ -403,6 +448,7 @@ def main():
     p.add_argument("--out", default="runs/gpu_suite", help="runs, logs and (default) the JSON go here")
     p.add_argument("--json", default=None, help="the table as JSON (default: OUT/suite.json)")
     p.add_argument("--timeout", type=float, default=600, help="seconds any one command may take")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole suite (default: no bound)")
     a = p.parse_args()
 
     import torch
@@ -463,4 +509,7 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == [COUNT_GRAPHS]:
+        count_graphs(sys.argv[2:])
+    else:
+        sys.exit(main())

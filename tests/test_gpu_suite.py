@@ -146,7 +146,8 @@ def test_fp8_skip_check_needs_nothing_of_the_package(suite, tmp_path, monkeypatc
 
     monkeypatch.setitem(sys.modules, "accel_trainer.precision", None)  # `from accel_trainer.precision ...` fails
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    a = SimpleNamespace(cpu=False, out=str(tmp_path), skip=[], dataset=str(tmp_path), cache_dir=None, seeds=None)
+    a = SimpleNamespace(cpu=False, out=str(tmp_path), skip=[], dataset=str(tmp_path), cache_dir=None, seeds=None,
+                      budget=None, timeout=600)  # fmt: skip
     s = suite.Suite(a)
     reason = suite.skip_reason(s, "fp8")
     assert reason is None or reason == "skipped: no fp8 backend installed (transformer-engine, torchao or MS-AMP)"
@@ -182,7 +183,8 @@ def summary_runs(tta, train_s):
 )
 def test_cifar_goal_is_airbenchs_mean_tta_accuracy_and_mean_time(suite, tmp_path, monkeypatch, tta, train_s, met,
                                                                  reached):  # fmt: skip
-    a = SimpleNamespace(cpu=False, out=str(tmp_path), skip=[], dataset=str(tmp_path), cache_dir=None, seeds=None)
+    a = SimpleNamespace(cpu=False, out=str(tmp_path), skip=[], dataset=str(tmp_path), cache_dir=None, seeds=None,
+                      budget=None, timeout=600)  # fmt: skip
     s = suite.Suite(a)
 
     def bench(name, cmd):  # bench/cifar.py's output files, with the numbers above
@@ -202,3 +204,33 @@ def test_cifar_goal_is_airbenchs_mean_tta_accuracy_and_mean_time(suite, tmp_path
     assert row["metrics"]["tta_accuracy_mean"] == pytest.approx(sum(tta) / 5)
     assert row["metrics"]["train_s_mean"] == pytest.approx(sum(train_s) / 5)
     assert "TTA" in row["goal"] and f"{reached} seeds >= 94%" in row["summary"]
+
+
+def test_compile_row_counts_the_graphs_dynamo_compiled(suite, tmp_path):
+    # The compile row runs its command under `bench/gpu.py --count_graphs`, which prints dynamo's counts at the end:
+    # a --torch_compile run that compiled nothing (as under the FLOP count) is a failed row, not a slow "ok".
+    script = tmp_path / "compiles.py"
+    script.write_text(
+        "import sys, torch\n"
+        "f = torch.compile(lambda x: x.sin() + 1, backend='eager')\n"
+        "f(torch.ones(3)); print('args', sys.argv[1:])\n"
+        "torch.compiler.set_stance('force_eager'); torch.compile(lambda x: x.cos(), backend='eager')(torch.ones(2))\n"
+    )
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu.py"), suite.COUNT_GRAPHS, str(script), "--a", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "args ['--a', '1']" in proc.stdout
+    assert suite.compiled_graphs(proc.stdout) == 1  # the force_eager one compiled nothing
+    assert suite.compiled_graphs("no such line") == 0
+
+
+def test_budget_skips_the_rows_left_and_still_reports(suite, tmp_path, monkeypatch):
+    a = SimpleNamespace(cpu=True, out=str(tmp_path), skip=[], dataset=str(tmp_path), cache_dir=None, seeds=None,
+                        budget=0.5, timeout=600)  # fmt: skip
+    s = suite.Suite(a)
+    import time
+
+    time.sleep(0.6)
+    assert suite.run_row(s, "bf16")["status"] == "skipped: no time left in --budget 0 s"
+    with pytest.raises(suite.CheckFailed, match="no time left"):  # a command is never started past the deadline
+        s.sh("x", [sys.executable, "-c", "pass"])
