@@ -234,3 +234,35 @@ def test_budget_skips_the_rows_left_and_still_reports(suite, tmp_path, monkeypat
     assert suite.run_row(s, "bf16")["status"] == "skipped: no time left in --budget 0 s"
     with pytest.raises(suite.CheckFailed, match="no time left"):  # a command is never started past the deadline
         s.sh("x", [sys.executable, "-c", "pass"])
+
+
+def test_gpu_run_script_dry_run_writes_json_and_logs_into_one_folder(tmp_path):
+    # bench/gpu_run.sh --dry-run: the GPU run's steps on a CPU, the package not installed (as on the GPU machine).
+    # Reduced further here (1 seed, the cifar row only): the full dry run takes ~3 min on 2 loaded cores.
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from cifar_fixtures import make_tiny_cifar
+
+    data = make_tiny_cifar(str(tmp_path / "data"))["hub"]
+    out = tmp_path / "run"
+    script = os.path.join(ROOT, "bench", "gpu_run.sh")
+    cmd = [script, "--dry-run", "--data", data, "--out", str(out), "--", "--seeds", "1"]
+    cmd += ["--skip", "bf16", "torch_compile", "overhead"]
+    e = dict(uninstalled_env(tmp_path), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=e, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "suite.json").read_text())
+    rows = {r["name"]: r for r in report["rows"]}
+    assert rows["cifar_5_seeds"]["status"] == "ok" and rows["cifar_5_seeds"]["metrics"]["seeds"] == 1
+    assert rows["bf16"]["status"] == "skipped: --skip"
+    env_txt = (out / "env.txt").read_text()
+    assert "data " + data + ": 240 train, 60 test images" in env_txt and "not the full CIFAR-10" in env_txt
+    assert f"accel_trainer {ROOT}" in env_txt  # the checkout's, with nothing installed
+    log = (out / "gpu_run.log").read_text()
+    assert "wrote " + str(out / "suite.json") in log and "exit 0 after" in log
+    assert (out / "suite" / "logs" / "cifar_5_seeds.log").is_file()
+
+    # bad input: one line naming the problem, exit 2
+    for bad, says in (([], "no CIFAR-10 folder"), (["--data", str(tmp_path / "none")], "is not a folder"),
+                      (["--data", str(tmp_path)], "lacks plain_text/train-*.parquet")):  # fmt: skip
+        proc = subprocess.run([script, *bad, "--out", str(tmp_path / "x")], capture_output=True, text=True, env=e)
+        assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
