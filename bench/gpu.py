@@ -380,6 +380,8 @@ CHECKS = {
 def skip_reason(s: Suite, name: str) -> str | None:
     if name in s.a.skip:
         return "skipped: --skip"
+    if name == "peak_memory" and s.rows.get("cifar_5_seeds", {}).get("status", "").startswith("skipped"):
+        return "skipped: needs the cifar_5_seeds row, which was skipped"
     if not s.gpu and name == "fp16":
         return f"{NEEDS_CUDA} (Accelerate runs fp16 on a CPU as plain fp32: no autocast, no loss scaler)"
     if name == "fp8":
