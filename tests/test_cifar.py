@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import cifar  # noqa: E402
 import cifar_data  # noqa: E402
 from cifar_data import DeviceLoader, augment_gather, load_cifar10  # noqa: E402
+from helpers import env as child_env  # noqa: E402
 from helpers import launch_cmd  # noqa: E402
 
 N_TRAIN, N_TEST = 240, 60
@@ -382,8 +383,7 @@ def test_lookahead_state_survives_a_checkpoint(how, tmp_path):
 
 
 def run_recipe(args, nproc=1, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)
+    env = child_env()  # this checkout's accel_trainer first (not an installed copy), offline, 1 thread
     return subprocess.run(
         launch_cmd(nproc) + [os.path.join(ROOT, "recipes", "cifar.py")] + [str(a) for a in args],
         capture_output=True,
@@ -479,8 +479,7 @@ def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
 def test_bench_prints_accuracy_time_and_memory(tiny, tmp_path):
     args = tiny_run_args(tiny, "unused")
     args = args[: args.index("--output_dir")] + args[args.index("--output_dir") + 2 :]  # the bench sets it per seed
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env.pop("WORLD_SIZE", None)
+    env = child_env()
     proc = subprocess.run(
         [
             sys.executable,
