@@ -13,9 +13,10 @@ until the log row). At a log row, one gather of five numbers when there are seve
 already syncs the host for the loss.
 
 MFU: the FLOPs of the first update on this rank, counted once by torch.utils.flop_counter while it runs (no extra
-forward), times the updates since the last row, over the wall time and the device's peak (--peak_tflops, or the
-table below for a detected GPU). Later updates with other shapes (text of other lengths) are estimated by the first.
-The table is looked up by the exact model name: a GPU it does not list gives no MFU, never another model's.
+forward; under --torch_compile that update runs eagerly, see FlopCount), times the updates since the last row, over
+the wall time and the device's peak (--peak_tflops, or the table below for a detected GPU). Later updates with other
+shapes (text of other lengths) are estimated by the first. The table is looked up by the exact model name: a GPU it
+does not list gives no MFU, never another model's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import functools
 import os
 import resource
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -134,6 +135,32 @@ def reset_peak_memory(device):
         pass
 
 
+class FlopCount:
+    """The FLOPs of the code run inside it, counted by torch.utils.flop_counter, with torch.compile set to run
+    eagerly: dynamo does not trace under a dispatch mode such as FlopCounterMode, and marks every code object it
+    met there as skipped for the rest of the process, so a compiled model's first update counted under the mode
+    never compiled at all (0 graphs with --torch_compile wherever a peak was known). force_eager runs that update
+    as written, with no dynamo callback to mark anything; compiling starts with the next update. The count is the
+    eager model's, which is what MFU means (the model's FLOPs, not the kernels'). set_stance: torch >= 2.6."""
+
+    def __init__(self):
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.mode = FlopCounterMode(display=False)
+        self._stack = ExitStack()
+
+    def __enter__(self):
+        self._stack.enter_context(torch.compiler.set_stance("force_eager"))
+        self._stack.enter_context(self.mode)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    def get_total_flops(self) -> int:
+        return self.mode.get_total_flops()
+
+
 class Meter:
     """Counts and times the updates between two log rows on this rank; `row()` turns them into log fields."""
 
@@ -179,9 +206,7 @@ class Meter:
         """A context for the first update: counts its FLOPs while it runs (None afterwards: nothing to do)."""
         if self.flops_per_update is not None or self.peak_tflops is None:
             return None
-        from torch.utils.flop_counter import FlopCounterMode
-
-        return FlopCounterMode(display=False)
+        return FlopCount()
 
     def counted(self, mode):
         self.flops_per_update = float(mode.get_total_flops())

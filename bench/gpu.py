@@ -1,15 +1,20 @@
 """The GPU suite in one command: every GPU check of the project, through the recipes' and benches' command lines,
-one table on the screen and the same as JSON. Under 9 minutes on one H100/H200.
+one table on the screen and the same as JSON. Not yet run on a GPU: estimated at 5-6 minutes on one H100/H200;
+--budget bounds it (bench/gpu_run.sh passes 330 s), so the table and the JSON come out in time whatever it takes.
 
     python bench/gpu.py --dataset ../shared/data/cifar10            # a GPU machine: the full suite
     python bench/gpu.py --cpu                                       # reduced mode, any machine (~1-2 min on 2 cores)
     python bench/gpu.py --json runs/gpu_suite.json --skip torch_compile
+    python bench/gpu.py --dataset DIR --budget 330                  # ends within 330 s: rows left are skipped
+    bench/gpu_run.sh --data DIR --out DIR [--wheels DIR]            # the whole GPU run in one command
 
 Checks (rows), GPU mode / CPU reduced mode:
 
   cifar_5_seeds   bench/cifar.py --seeds 5 --warmup (recipes/cifar.py default preset = airbench94, bf16): accuracy,
-                  TTA accuracy, time to 94% (training time, evals excluded), images/s; goal: mean >= 94% and time to
-                  94% < 2.5 s. CPU: 2 seeds on a tiny generated CIFAR (widths 8,16,16, batch 40, 2 epochs).
+                  TTA accuracy, training time (per-epoch evals excluded), images/s. The goal is airbench's: the mean
+                  TTA accuracy over the seeds >= 94% and the mean training time < 2.5 s (airbench94 reports 94.01%
+                  in 3.83 s on an A100 this way); beside it, how many seeds reached 94% on their own. CPU: 2 seeds on
+                  a tiny generated CIFAR (widths 8,16,16, batch 40, 2 epochs).
   bf16            recipes/cifar.py --mixed_precision bf16 --nan_policy skip, 1 seed: accuracy, skipped steps (bf16 has
                   no loss scale). CPU: the tiny run (bf16 autocast works on a CPU).
   fp16            the same with fp16: loss scale (last and lowest logged), skipped steps. CPU: skipped -- Accelerate
@@ -19,15 +24,19 @@ Checks (rows), GPU mode / CPU reduced mode:
                   capability >= 8.9 and an fp8 backend is installed, else skipped: the number of layers that ran in
                   fp8 (the Trainer's count in run_config.json); failed when none did or the loss did not go down.
                   Not yet run on a GPU. CPU: skipped.
-  torch_compile   bench/cifar.py --torch_compile --warmup, 2 seeds: images/s vs the eager cifar_5_seeds row, accuracy.
-                  CPU: the tiny run through recipes/cifar.py --torch_compile (inductor; ~30 s of compiling cold).
+  torch_compile   bench/cifar.py --torch_compile --warmup, 2 seeds: images/s vs the eager cifar_5_seeds row, accuracy,
+                  and the graphs dynamo compiled in that process (failed when none: a model that never compiled
+                  trains at eager speed and looks fine). CPU: the tiny run through recipes/cifar.py
+                  --torch_compile (inductor; ~30 s of compiling cold on an idle machine).
   overhead        bench/overhead.py on the GPU, 3 rounds x 600 steps: ms per update of the Trainer vs a hand-written
                   loop and bare Accelerate, like for like (the same MLP 256-512-512-10, batch 64, data path and
                   AdamW, no clipping); goal trainer <= 1.02x plain. CPU: bench/overhead.py --cpu, 1 round x 100.
   peak_memory     the largest peak over the cifar_5_seeds runs (torch.cuda.max_memory_allocated; CPU: peak RSS),
                   and the Trainer's own logged peak_memory_mb when present.
 
-Every row gets a status: "ok", "failed: <one line>" (the log is under --out/logs/), or "skipped: <why>".
+Every row gets a status: "ok", "failed: <one line>" (the log is under --out/logs/), or "skipped: <why>". With
+--budget, no command runs past the suite's deadline and the rows left when it passes are skipped: the table and the
+JSON come out in time, with what fitted.
 Goals are judged only in GPU mode. The exit status is 1 when a row failed, else 0.
 
 Data and wheels: the GPU machine needs the CIFAR-10 folder (`--dataset`, default shared/data/cifar10 or
@@ -67,23 +76,32 @@ class Suite:
         self.logs = os.path.join(self.out, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.rows: dict[str, dict] = {}
+        self.deadline = time.monotonic() + a.budget if a.budget else None
         if self.gpu:
             self.env = harness.child_env(threads=None)
         else:  # the reduced mode is about paths, not speed: one thread, light on a shared CPU
             self.env = harness.child_env(threads=1, CUDA_VISIBLE_DEVICES="")  # --cpu on a GPU machine: the CPU
 
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
     def sh(self, name: str, cmd: list[str], timeout: float | None = None) -> str:
         """Run a command; its output goes to logs/<name>.log. A non-zero exit raises CheckFailed with its last line."""
         log = os.path.join(self.logs, f"{name}.log")
+        timeout = timeout or self.a.timeout
+        if self.deadline is not None:
+            timeout = min(timeout, self.time_left())
+            if timeout < 1:
+                raise CheckFailed(f"no time left in --budget {self.a.budget:.0f} s")
         with open(log, "w") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
             try:
                 rc = subprocess.run(
-                    cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, timeout=timeout or self.a.timeout
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT, timeout=timeout
                 ).returncode
             except subprocess.TimeoutExpired:
-                raise CheckFailed(f"timed out after {timeout or self.a.timeout:.0f} s (log: {log})") from None
+                raise CheckFailed(f"timed out after {timeout:.0f} s (log: {log})") from None
         with open(log) as f:
             text = f.read()
         if rc != 0:
@@ -124,27 +142,40 @@ def check_cifar(s: Suite) -> dict:
     s.sh("cifar_5_seeds", cmd)
     with open(os.path.join(out, "summary.json")) as f:
         runs = json.load(f)["runs"]
-    reached = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
-    m = {
+    m = cifar_metrics(runs)
+    logged = [last(read_rows(os.path.join(out, f"seed{r['seed']}")), "peak_memory_mb") for r in runs]
+    m["logged_peak_memory_mb"] = max((v for v in logged if v is not None), default=None)
+    tta = f" (tta {m['tta_accuracy_mean']:.4f})" if m["tta_accuracy_mean"] is not None else ""
+    summary = (
+        f"acc {m['accuracy_mean']:.4f}{tta}, {m['reached_94']} seeds >= 94%, train {m['train_s_mean']:.2f} s, "
+        f"{m['images_per_s_mean']:.0f} img/s"
+    )
+    return {"metrics": m, "summary": summary, "goal": CIFAR_GOAL, "met": cifar_goal_met(m) if s.gpu else None}
+
+
+CIFAR_GOAL = "mean TTA accuracy >= 0.94 and mean training time < 2.5 s (airbench's definition)"
+
+
+def cifar_metrics(runs: list[dict]) -> dict:
+    """The cifar_5_seeds numbers from bench/cifar.py's runs, as airbench states its result: the mean TTA accuracy
+    over the seeds (the plain accuracy where a run had no TTA) and the mean training time; beside them, the seeds
+    that reached 94% on their own (at a mean of 94.01% and sd 0.13, about half of them do)."""
+    final = [r["tta_accuracy"] if r["tta_accuracy"] is not None else r["accuracy"] for r in runs]
+    return {
         "seeds": len(runs),
         "accuracy_mean": mean(r["accuracy"] for r in runs),
         "accuracy_min": min(r["accuracy"] for r in runs),
         "tta_accuracy_mean": mean(r["tta_accuracy"] for r in runs),
-        "time_to_94_mean_s": mean(reached) if len(reached) == len(runs) else None,
-        "reached_94": f"{len(reached)}/{len(runs)}",
-        "images_per_s_mean": mean(r["images_per_s"] for r in runs),
+        "final_accuracy_mean": mean(final),
+        "reached_94": f"{sum(a >= 0.94 for a in final)}/{len(runs)}",
         "train_s_mean": mean(r["train_s"] for r in runs),
+        "images_per_s_mean": mean(r["images_per_s"] for r in runs),
         "peak_memory_mb": max(r["peak_memory_mb"] for r in runs),
     }
-    logged = [last(read_rows(os.path.join(out, f"seed{r['seed']}")), "peak_memory_mb") for r in runs]
-    m["logged_peak_memory_mb"] = max((v for v in logged if v is not None), default=None)
-    acc = f"{m['accuracy_mean']:.4f}" + (f" (tta {m['tta_accuracy_mean']:.4f})" if m["tta_accuracy_mean"] else "")
-    t94 = f"{m['time_to_94_mean_s']:.2f} s" if m["time_to_94_mean_s"] is not None else "not reached"
-    summary = f"acc {acc}, to 94% {t94} ({m['reached_94']}), {m['images_per_s_mean']:.0f} img/s"
-    goal = None
-    if s.gpu:
-        goal = m["accuracy_mean"] >= 0.94 and m["time_to_94_mean_s"] is not None and m["time_to_94_mean_s"] < 2.5
-    return {"metrics": m, "summary": summary, "goal": "mean accuracy >= 0.94 and time to 94% < 2.5 s", "met": goal}
+
+
+def cifar_goal_met(m: dict) -> bool:
+    return m["final_accuracy_mean"] >= 0.94 and m["train_s_mean"] < 2.5
 
 
 def _precision_run(s: Suite, name: str, precision: str) -> dict:
@@ -234,11 +265,36 @@ def check_fp8(s: Suite) -> dict:
     return {"metrics": m, "summary": summary}
 
 
+COUNT_GRAPHS = "--count_graphs"  # bench/gpu.py --count_graphs SCRIPT ARGS...: see count_graphs()
+
+
+def count_graphs(argv: list[str]) -> None:
+    """SCRIPT ARGS run as `python SCRIPT ARGS`, then one line `GRAPHS {...}`: dynamo's counts for the process (the
+    compile row's proof that torch.compile compiled something; under a FLOP-counting dispatch mode it once
+    compiled nothing and the run just trained at eager speed)."""
+    import runpy
+
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` sets it
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        from torch._dynamo.utils import counters  # private: torch has no public count of the graphs it compiled
+
+        print("GRAPHS " + json.dumps({k: int(v) for k, v in counters["stats"].items()}), flush=True)
+
+
+def compiled_graphs(log_text: str) -> int:
+    lines = [line for line in log_text.splitlines() if line.startswith("GRAPHS ")]
+    return json.loads(lines[-1][7:]).get("unique_graphs", 0) if lines else 0
+
+
 def check_compile(s: Suite) -> dict:
+    counted = [sys.executable, "bench/gpu.py", COUNT_GRAPHS]
     if s.gpu:
         out = os.path.join(s.out, "compile")
-        cmd = [sys.executable, "bench/cifar.py", "--seeds", "2", "--warmup", "--torch_compile", "--target", "0.94"]
-        s.sh("torch_compile", cmd + ["--out", out] + s.cifar_args())
+        cmd = counted + ["bench/cifar.py", "--seeds", "2", "--warmup", "--torch_compile", "--target", "0.94"]
+        text = s.sh("torch_compile", cmd + ["--out", out] + s.cifar_args())
         with open(os.path.join(out, "summary.json")) as f:
             runs = json.load(f)["runs"]
         m = {
@@ -248,16 +304,19 @@ def check_compile(s: Suite) -> dict:
         }
     else:
         out = os.path.join(s.out, "compile")
-        cmd = [sys.executable, "recipes/cifar.py", *s.cifar_args(), "--torch_compile", "--output_dir", out]
-        s.sh("torch_compile", cmd + ["--overwrite_output_dir", "--disable_tqdm", "--logging_steps", "2"])
+        cmd = counted + ["recipes/cifar.py", *s.cifar_args(), "--torch_compile", "--output_dir", out]
+        text = s.sh("torch_compile", cmd + ["--overwrite_output_dir", "--disable_tqdm", "--logging_steps", "2"])
         rows = read_rows(out)
         rates = [r["samples_per_second"] for r in rows if "samples_per_second" in r][1:]  # the first holds compiling
         m = {"accuracy_mean": last(rows, "eval_accuracy"), "images_per_s_mean": mean(rates) if rates else None}
+    m["compiled_graphs"] = compiled_graphs(text)
+    if not m["compiled_graphs"]:
+        raise CheckFailed("--torch_compile compiled no graph (dynamo's count is 0): the run was eager")
     eager = s.rows.get("cifar_5_seeds", {}).get("metrics", {}).get("images_per_s_mean")
     if s.gpu and eager and m["images_per_s_mean"]:
         m["speedup_vs_eager"] = m["images_per_s_mean"] / eager
     speed = f"{m['images_per_s_mean']:.0f} img/s" if m["images_per_s_mean"] else "img/s n/a"
-    summary = f"acc {m['accuracy_mean']:.4f}, {speed}" + (
+    summary = f"acc {m['accuracy_mean']:.4f}, {speed}, {m['compiled_graphs']} graphs" + (
         f", x{m['speedup_vs_eager']:.2f} of eager" if "speedup_vs_eager" in m else ""
     )
     return {"metrics": m, "summary": summary}
@@ -322,6 +381,8 @@ CHECKS = {
 def skip_reason(s: Suite, name: str) -> str | None:
     if name in s.a.skip:
         return "skipped: --skip"
+    if name == "peak_memory" and s.rows.get("cifar_5_seeds", {}).get("status", "").startswith("skipped"):
+        return "skipped: needs the cifar_5_seeds row, which was skipped"
     if not s.gpu and name == "fp16":
         return f"{NEEDS_CUDA} (Accelerate runs fp16 on a CPU as plain fp32: no autocast, no loss scaler)"
     if name == "fp8":
@@ -329,16 +390,29 @@ def skip_reason(s: Suite, name: str) -> str | None:
             return f"{NEEDS_CUDA} (compute capability >= 8.9)"
         import torch
 
-        from accel_trainer.precision import has_fp8
-
-        if not has_fp8("cuda"):
-            cc = torch.cuda.get_device_capability()
+        # Not accel_trainer.precision.has_fp8: this process imports nothing of the package (see tiny_dataset).
+        cc = torch.cuda.get_device_capability()
+        if cc < (8, 9):
             return f"skipped: needs compute capability >= 8.9 (this GPU: {cc[0]}.{cc[1]})"
         from accelerate.utils import is_msamp_available, is_torchao_available, is_transformer_engine_available
 
         if not (is_transformer_engine_available() or is_torchao_available() or is_msamp_available()):
             return "skipped: no fp8 backend installed (transformer-engine, torchao or MS-AMP)"
     return None
+
+
+def run_row(s: Suite, name: str) -> dict:
+    """One row: skipped, ok with its numbers, or failed with one line. Deciding to skip is inside the `try` too: a
+    check that cannot even ask its question must not end the suite before the table and the JSON."""
+    try:
+        reason = skip_reason(s, name)
+        if not reason and s.deadline is not None and s.time_left() < 1 and name != "peak_memory":
+            reason = f"skipped: no time left in --budget {s.a.budget:.0f} s"
+        return {"status": reason} if reason else {"status": "ok", **CHECKS[name](s)}
+    except CheckFailed as e:
+        return {"status": f"failed: {e}"}
+    except Exception as e:  # a bug in a check must not hide the other rows
+        return {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -349,7 +423,9 @@ def tiny_dataset(out: str) -> str:
         import datasets
 
         datasets.disable_progress_bars()
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        # cifar_fixtures imports recipes/cifar_data.py, which imports accel_trainer: where the package is not
+        # installed (the GPU machine), only the children have this checkout on their path (harness.child_env).
+        sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
         from cifar_fixtures import make_tiny_cifar
 
         make_tiny_cifar(root)
@@ -375,6 +451,7 @@ def main():
     p.add_argument("--out", default="runs/gpu_suite", help="runs, logs and (default) the JSON go here")
     p.add_argument("--json", default=None, help="the table as JSON (default: OUT/suite.json)")
     p.add_argument("--timeout", type=float, default=600, help="seconds any one command may take")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole suite (default: no bound)")
     a = p.parse_args()
 
     import torch
@@ -403,16 +480,7 @@ def main():
     print(f"bench/gpu.py, {mode} mode, on {device_name(s.gpu)}; torch {torch.__version__}", flush=True)
     for name in ROWS:
         t0 = time.perf_counter()
-        reason = skip_reason(s, name)
-        if reason:
-            row = {"status": reason}
-        else:
-            try:
-                row = {"status": "ok", **CHECKS[name](s)}
-            except CheckFailed as e:
-                row = {"status": f"failed: {e}"}
-            except Exception as e:  # a bug in a check must not hide the other rows
-                row = {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        row = run_row(s, name)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         s.rows[name] = row
         print(f"  {name:14s} {row['status'] if row['status'] != 'ok' else row.get('summary', 'ok')}", flush=True)
@@ -444,4 +512,7 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == [COUNT_GRAPHS]:
+        count_graphs(sys.argv[2:])
+    else:
+        sys.exit(main())

@@ -197,10 +197,16 @@ def augment_gather(images, index, flip, dy, dx, pad):
     return images[index[:, None, None], rows[:, :, None], cols[:, None, :]]  # [B, H, W, C]
 
 
-def normalize(images_nhwc_uint8, dtype=torch.float32):
-    """uint8 NHWC -> normalized float NCHW; the permute makes it channels_last in memory, which convs like."""
-    mean = torch.tensor(MEAN, device=images_nhwc_uint8.device, dtype=dtype) * 255
-    std = torch.tensor(STD, device=images_nhwc_uint8.device, dtype=dtype) * 255
+def normalization(device, dtype=torch.float32):
+    """(mean, std) on the 0-255 scale as tensors on `device`. Built once per loader: torch.tensor(MEAN, device=cuda)
+    is a copy from host memory that blocks the host, twice per batch when it was built in normalize()."""
+    return torch.tensor(MEAN, dtype=dtype).mul(255).to(device), torch.tensor(STD, dtype=dtype).mul(255).to(device)
+
+
+def normalize(images_nhwc_uint8, dtype=torch.float32, stats=None):
+    """uint8 NHWC -> normalized float NCHW; the permute makes it channels_last in memory, which convs like.
+    `stats`: normalization(device, dtype), built once by the caller (else built here, for one-off calls)."""
+    mean, std = stats if stats is not None else normalization(images_nhwc_uint8.device, dtype)
     return ((images_nhwc_uint8.to(dtype) - mean) / std).permute(0, 3, 1, 2)
 
 
@@ -231,7 +237,7 @@ class DeviceLoader:
 
     batch_size is per rank; the global batch is batch_size * world_size. Train mode (`train=True`): shuffled each
     epoch from (seed, epoch), augmented with flip and translate. The last, short global batch is kept by default so
-    every sample is seen once per epoch (`drop_last=True` drops it). Ranks split each global batch into contiguous
+    every sample is seen once per epoch (`drop_last=True` drops it; recipes/cifar.py does, as airbench does). Ranks split each global batch into contiguous
     parts whose sizes differ by at most one, so all ranks yield the same number of batches.
 
     flip: "alternate" (airbench: each image gets a random flip in epoch 0, then the opposite flip every other
@@ -265,6 +271,7 @@ class DeviceLoader:
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
         self.flip, self.translate, self.drop_last, self.dtype = flip, int(translate), drop_last, dtype
         self.epoch = 0
+        self.stats = normalization(self.device, dtype)
         self.global_batch = self.batch_size * self.world_size
         n = len(self.labels)
         self.num_batches = n // self.global_batch if drop_last else -(-n // self.global_batch)
@@ -323,4 +330,4 @@ class DeviceLoader:
                 x = augment_gather(self.images, idx, flip[a:b], dy[a:b], dx[a:b], self.translate)
             else:
                 x = self.images[idx]
-            yield {"images": normalize(x, self.dtype), "labels": self.labels[idx]}
+            yield {"images": normalize(x, self.dtype, self.stats), "labels": self.labels[idx]}

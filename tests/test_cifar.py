@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import cifar  # noqa: E402
 import cifar_data  # noqa: E402
 from cifar_data import DeviceLoader, augment_gather, load_cifar10  # noqa: E402
+from helpers import env as child_env  # noqa: E402
 from helpers import launch_cmd  # noqa: E402
 
 N_TRAIN, N_TEST = 240, 60
@@ -382,8 +383,7 @@ def test_lookahead_state_survives_a_checkpoint(how, tmp_path):
 
 
 def run_recipe(args, nproc=1, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)
+    env = child_env()  # this checkout's accel_trainer first (not an installed copy), offline, 1 thread
     return subprocess.run(
         launch_cmd(nproc) + [os.path.join(ROOT, "recipes", "cifar.py")] + [str(a) for a in args],
         capture_output=True,
@@ -479,8 +479,7 @@ def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
 def test_bench_prints_accuracy_time_and_memory(tiny, tmp_path):
     args = tiny_run_args(tiny, "unused")
     args = args[: args.index("--output_dir")] + args[args.index("--output_dir") + 2 :]  # the bench sets it per seed
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env.pop("WORLD_SIZE", None)
+    env = child_env()
     proc = subprocess.run(
         [
             sys.executable,
@@ -508,3 +507,75 @@ def test_bench_prints_accuracy_time_and_memory(tiny, tmp_path):
     assert len(summary["runs"]) == 2 and all(
         r["train_s"] > 0 and r["time_to_target_s"] is not None and r["peak_memory_mb"] > 50 for r in summary["runs"]
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The GPU run's shapes and syncs (issue 29)
+
+
+def test_every_train_batch_is_full_and_the_run_is_airbenchs_476_updates(tmp_path):
+    # 50000 train images in batches of 1024: 48 full batches and 848 left over. Kept, the short batch was a second
+    # shape (a recompile, a second cuDNN autotune), 486 updates instead of airbench's ceil(9.9 * 48) = 476, and an
+    # update with the full batch's learning rate on 848 images.
+    from accel_trainer import Trainer
+
+    train = (np.zeros((50000, 32, 32, 3), np.uint8), np.arange(50000, dtype=np.int64) % 10)
+    test = (np.zeros((100, 32, 32, 3), np.uint8), np.arange(100, dtype=np.int64) % 10)
+    folder = write_pickle_folder(str(tmp_path / "data"), train, test)
+    t = Trainer.from_recipe(cifar, dataset=folder, cache_dir=str(tmp_path / "cache"), output_dir=str(tmp_path / "o"),
+                            use_cpu=True, mixed_precision="no", quiet=True, disable_tqdm=True)  # fmt: skip
+    assert t.args.num_train_epochs == 9.9 and t.args.per_device_train_batch_size == 1024  # the default preset
+    assert len(t.train_loader) == 50000 // 1024 == 48
+    assert t.total_steps == int(np.ceil(9.9 * 48)) == 476
+    assert t.recipe.build_scheduler and t.optimizer.optimizer.total_steps == 476  # the lr triangle spans 476 updates
+    for epoch in (0, 1):
+        t.train_loader.set_epoch(epoch)
+        sizes = {len(batch["labels"]) for batch in t.train_loader}
+        assert sizes == {1024}, sizes
+    # --dataloader_drop_last false keeps the short batch, for who wants every image in every epoch
+    t = Trainer.from_recipe(cifar, dataset=folder, cache_dir=str(tmp_path / "cache"), output_dir=str(tmp_path / "o2"),
+                            use_cpu=True, mixed_precision="no", quiet=True, disable_tqdm=True,
+                            dataloader_drop_last=False)  # fmt: skip
+    assert len(t.train_loader) == 49 and t.total_steps == 486
+
+
+def test_normalization_constants_are_built_once_per_loader(monkeypatch):
+    # torch.tensor(MEAN, device=cuda) per batch was two blocking host-to-device copies per training step.
+    x, y = tiny_arrays(64, 0)
+    built = []
+    real = torch.tensor
+
+    def counting(*args, **kwargs):
+        built.append(args[0] if args else None)
+        return real(*args, **kwargs)
+
+    loader = DeviceLoader(x, y, 8, train=True)
+    monkeypatch.setattr(torch, "tensor", counting)
+    batches = list(loader) + list(DeviceLoader(x, y, 8, train=False))
+    assert len(batches) == 16
+    assert built.count(cifar_data.MEAN) <= 1 and built.count(cifar_data.STD) <= 1, built  # the eval loader's, once
+    monkeypatch.setattr(torch, "tensor", real)
+    expected = (torch.from_numpy(x[:8]).float() - torch.tensor(cifar_data.MEAN) * 255) / (
+        torch.tensor(cifar_data.STD) * 255
+    )
+    first = list(DeviceLoader(x, y, 8, train=False))[0]["images"]
+    torch.testing.assert_close(first, expected.permute(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize(
+    "device, flag, expected", [("cuda", None, True), ("cuda", "false", False), ("cpu", None, False)]
+)
+def test_cudnn_benchmark_on_a_cuda_gpu(tiny, tmp_path, monkeypatch, device, flag, expected):
+    # airbench sets torch.backends.cudnn.benchmark: the recipe's shapes are fixed, so cuDNN's timed choice of conv
+    # algorithms is made once per shape. The recipe sets it where it means something (a CUDA device), unless told not.
+    import contextlib
+    from types import SimpleNamespace
+
+    from accel_trainer import resolve_args
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    argv = ["--dataset", tiny["pickle"], "--cache_dir", str(tmp_path), "--widths", "8,8,8"]
+    _, args, _ = resolve_args(cifar, argv + (["--cudnn_benchmark", flag] if flag else []))
+    accelerator = SimpleNamespace(device=torch.device(device), main_process_first=contextlib.nullcontext)
+    cifar.build_model(SimpleNamespace(args=args, accelerator=accelerator))
+    assert torch.backends.cudnn.benchmark is expected
