@@ -3,7 +3,7 @@
 from . import faults
 from .args import TrainingArguments, parse_args, resolve_args
 from .errors import UserError
-from .metrics import load_metric
+from .kit.metrics import load_metric
 from .notebook import notebook_launcher
 from .recipe import Recipe, RecipeContext, load_recipe
 from .run import run

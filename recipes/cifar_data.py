@@ -23,7 +23,7 @@ import pickle
 import numpy as np
 import torch
 
-from accel_trainer.hub import is_local_path
+from accel_trainer.kit.hub import is_local_path
 
 DEFAULT_DATASET = "uoft-cs/cifar10"
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from .errors import UserError
+from ..errors import UserError
 
 # Bookkeeping, not curves: the axes themselves, and eval_samples (the size of the eval split, a constant).
 NOT_PLOTTED = {"step", "epoch", "elapsed_s", "eval_samples"}
