@@ -368,8 +368,8 @@ def test_preemption_signal_to_the_launcher_alone_reaches_each_worker_once_and_ex
 def test_preemption_notice_during_set_up_is_kept_checkpointed_at_the_first_update_and_exits_75(tmp_path):
     """SIGUSR1 while the workers still build their data (a slow tokenisation or load): the launcher ignores SIGUSR1
     in torchrun's agent, and an ignored signal stays ignored across exec into the workers, so the notice used to
-    be dropped and the run went on to the time limit. The workers keep it from import on: training starts, every
-    rank checkpoints at the first update boundary they agree on, and the launcher exits 75 (requeue)."""
+    be dropped and the run went on to the time limit. The workers keep it from the start of Trainer() on: training
+    starts, every rank checkpoints at the first update boundary they agree on, and the launcher exits 75 (requeue)."""
     import psutil
     from procs import Launch
 
