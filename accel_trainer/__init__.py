@@ -1,9 +1,8 @@
 """accel-trainer: a thin training loop on Hugging Face Accelerate. See README.md and docs/architecture.md."""
 
-from . import faults
 from .args import TrainingArguments, parse_args, resolve_args
 from .errors import UserError
-from .metrics import load_metric
+from .kit.metrics import load_metric
 from .notebook import notebook_launcher
 from .recipe import Recipe, RecipeContext, load_recipe
 from .run import run
@@ -23,5 +22,3 @@ __all__ = [
     "run",
 ]
 __version__ = "0.2.0"
-
-faults.keep_early_preemption()  # a launched worker keeps a preemption notice that arrives during set-up

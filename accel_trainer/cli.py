@@ -13,6 +13,15 @@ import argparse
 import importlib
 import sys
 
+# The subcommands besides `train`, imported by name when the console script starts. The one place the package
+# reaches the cluster tools and the plotting command; tests/test_architecture.py reads these names as imports.
+COMMANDS = (
+    "accel_trainer.cluster.wizard",  # config
+    "accel_trainer.cluster.check",
+    "accel_trainer.cluster.launch",
+    "accel_trainer.tools.report",
+)
+
 
 def _train(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
@@ -31,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="run a recipe file with training arguments", add_help=False)
-    for module in ("wizard", "check", "launch", "report"):
+    for module in COMMANDS:
         # No try/except: a subcommand module that fails to import is a bug (a missing dependency, a typo), and
         # swallowing it made the subcommand silently vanish from --help. Let the ImportError name it.
-        importlib.import_module(f"accel_trainer.{module}").add_parser(sub)  # registers it and sets func=...
+        importlib.import_module(module).add_parser(sub)  # registers it and sets func=...
     if argv and argv[0] == "train":
         return _train(argv[1:])
     args = parser.parse_args(argv)

@@ -4,3 +4,25 @@ and exits 1 instead of showing a traceback. Anything else (a bug, ours or the re
 
 class UserError(RuntimeError):
     """Bad input: a flag, a file, a folder, a checkpoint, a topology. The message says what to do."""
+
+
+class MissingExtra(UserError):
+    """An optional dependency is not installed: the message names the extra that installs it."""
+
+
+def need(module: str, extra: str, what: str, distribution: str | None = None):
+    """Import `module`, an optional dependency that `pip install 'accel-trainer[extra]'` installs (pyproject.toml),
+    or raise MissingExtra naming that command (and `distribution`, the package's name where it is not the module's).
+    Only the module itself missing counts: an ImportError raised from inside an installed module is a broken
+    install and propagates as it is."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if e.name is None or e.name.split(".")[0] != module.split(".")[0]:
+            raise
+        raise MissingExtra(
+            f"{what} needs {distribution or module.split('.')[0]}, which is not installed: "
+            f"pip install 'accel-trainer[{extra}]'"
+        ) from None

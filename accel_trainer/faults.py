@@ -109,9 +109,10 @@ def _early_notice(signum, frame):
 
 
 def keep_early_preemption():
-    """In a worker of `accel-trainer launch`, from `import accel_trainer` on: a SIGUSR1 during set-up (tokenising,
+    """In a worker of `accel-trainer launch`, from the start of Trainer() on: a SIGUSR1 during set-up (tokenising,
     loading) is kept for fit(), which checkpoints at its first update boundary and exits EXIT_PREEMPTED, instead
-    of being dropped (ignored until fit() installs its handler). Elsewhere nothing changes."""
+    of being dropped (ignored until fit() installs its handler). Elsewhere nothing changes. Called by the Trainer,
+    not at import: importing the package changes no process-wide setting."""
     if os.environ.get(LAUNCHED_ENV) != "1":
         return
     try:

@@ -84,8 +84,7 @@ class Reporter:
 def topology(accelerator) -> dict:
     """The world this run formed, for run_config.json: sizes from the launcher (world.launched_world), the
     device and backend from Accelerate, and the network choices that decide how machines find each other."""
-    from .network import NETWORK_ENV
-    from .world import launched_world
+    from .world import NETWORK_ENV, launched_world
 
     state = accelerator.state
     world = launched_world()

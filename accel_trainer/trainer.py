@@ -135,6 +135,7 @@ class Trainer:
     def __init__(
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
+        faults.keep_early_preemption()  # under `accel-trainer launch`: a SIGUSR1 during set-up is kept for fit()
         self.recipe: Recipe = load_recipe(recipe)
         self.args, self.recipe_args, self.given = self._own_arguments(args, recipe_args)
         args = self.args

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 from .errors import UserError
 
+# How the processes find each other: the store address torchrun gives the workers, and the interfaces gloo and
+# NCCL use. Recorded in run_config.json's topology (runlog.py) and shown by `accel-trainer check`.
+NETWORK_ENV = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
 
 class TopologyError(UserError):
     """The world this process joined is not the world the config describes (or cannot be formed).

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from accel_trainer.errors import UserError
-from accel_trainer.text import (
+from accel_trainer.kit.text import (
     MissingInputError,
     length_grouped_loader,
     load_config,

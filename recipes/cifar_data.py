@@ -23,7 +23,8 @@ import pickle
 import numpy as np
 import torch
 
-from accel_trainer.hub import is_local_path
+from accel_trainer.errors import need
+from accel_trainer.kit.hub import is_local_path
 
 DEFAULT_DATASET = "uoft-cs/cifar10"
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -90,7 +91,8 @@ def _columns(features):
 
 def _decode_split(ds):
     import datasets
-    from PIL import Image  # datasets needs Pillow for image columns too
+
+    Image = need("PIL.Image", "cifar", "recipes/cifar_data.py (decoding CIFAR images)", "Pillow")
 
     img_col, label_col = _columns(ds.features)
     # Decode ourselves from the raw PNG bytes: one pass, no PIL objects kept around.

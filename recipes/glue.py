@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from accel_trainer.text import (
+from accel_trainer.kit.text import (
     MissingInputError,
     length_grouped_loader,
     load_config,
@@ -195,7 +195,7 @@ def eval_step(model, batch):
 
 
 def build_metrics(ctx):
-    from accel_trainer.metrics import load_metric
+    from accel_trainer.kit.metrics import load_metric
 
     # one module returning the task's GLUE metrics (e.g. {"accuracy", "f1"}), reported as eval_accuracy, eval_f1
     return {"glue": load_metric("glue", config_name=ctx.args.task_name)}

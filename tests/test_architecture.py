@@ -1,33 +1,90 @@
-"""The package's module graph has no import circle (set-up flows one way: load, resolve, build, train).
+"""The package's module graph has no import circle (set-up flows one way: load, resolve, build, train), and the
+training loop never imports the cluster commands, the plotting command or the recipe helpers.
 
-Function-level imports count too: a lazy import that climbs back up the order is still a circle to a reader.
+Function-level imports count too: a lazy import that climbs back up the order is still a circle to a reader. So does
+an import by name (importlib): a string constant that is exactly a module's dotted name (cli.py's COMMANDS).
+Modules are named by their dotted path below accel_trainer/ (`trainer`, `cluster.launch`); a subpackage's
+`__init__` is named by the subpackage and counts only when it imports something.
 """
 
 import ast
 import os
+import subprocess
+import sys
 
-from helpers import ROOT
+from helpers import ROOT, env
 
 PACKAGE = os.path.join(ROOT, "accel_trainer")
+# The products that are not the loop: the cluster commands, the plotting command, the recipe helpers. The loop is
+# every other module; cli.py, the console script, dispatches to all of them and nothing imports it.
+CLUSTER, TOOLS, KIT = "cluster", "tools", "kit"
+CLI = "cli"
+
+
+def modules() -> dict[str, str]:
+    """{dotted name: file} of every module in the package but its own __init__."""
+    found = {}
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = sorted(d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py")))
+        package = os.path.relpath(folder, PACKAGE).replace(os.sep, ".")
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            if f == "__init__.py":
+                if package != ".":
+                    found[package] = os.path.join(folder, f)
+            else:
+                found[f[:-3] if package == "." else f"{package}.{f[:-3]}"] = os.path.join(folder, f)
+    return found
+
+
+def imports_of(name: str, path: str, mods: set[str]) -> set[str]:
+    """The package's modules that module `name` (in file `path`) imports."""
+    is_package = os.path.basename(path) == "__init__.py"
+    here = name.split(".") if is_package else name.split(".")[:-1]  # the package the module is in
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    found = set()
+
+    def add(dotted: list[str], names=()):
+        target = ".".join(dotted)
+        for n in names:  # from X import a: a submodule of X, or a name defined in X
+            if f"{target}.{n}".strip(".") in mods:
+                found.add(f"{target}.{n}".strip("."))
+            elif target in mods:
+                found.add(target)
+        if not names and target in mods:
+            found.add(target)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                add(base + (node.module.split(".") if node.module else []), [a.name for a in node.names])
+            elif (node.module or "").split(".")[0] == "accel_trainer":
+                add(node.module.split(".")[1:], [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "accel_trainer":
+                    add(a.name.split(".")[1:])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value.startswith("accel_trainer.") and node.value[len("accel_trainer.") :] in mods:
+                found.add(node.value[len("accel_trainer.") :])  # an import by name (importlib)
+    return found - {name}
 
 
 def import_graph() -> dict[str, set[str]]:
-    mods = {f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py")} - {"__init__"}
-    graph = {m: set() for m in mods}
-    for m in mods:
-        with open(os.path.join(PACKAGE, f"{m}.py")) as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            if node.level == 1 or (node.module or "").startswith("accel_trainer"):
-                parts = (node.module or "").split(".")
-                target = parts[0] if node.level == 1 else (parts[1] if len(parts) > 1 else "")
-                if target in mods:
-                    graph[m].add(target)
-                elif not target:  # from . import a, b / from accel_trainer import a, b
-                    graph[m] |= {a.name for a in node.names if a.name in mods}
-    return graph
+    files = modules()
+    graph = {m: imports_of(m, f, set(files)) for m, f in files.items()}
+    imported = set().union(*graph.values())
+    # A subpackage's __init__ that imports nothing (a docstring) is no module a reader needs in the graph.
+    return {m: deps for m, deps in graph.items() if deps or m in imported or not files[m].endswith("__init__.py")}
+
+
+def product(module: str) -> str:
+    """Which product a module belongs to: 'cluster', 'tools', 'kit', 'cli' or 'loop'."""
+    top = module.split(".")[0]
+    return top if top in (CLUSTER, TOOLS, KIT, CLI) else "loop"
 
 
 def circles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
@@ -55,8 +112,69 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_no_import_circle_in_the_package():
     graph = import_graph()
-    assert {"trainer", "world", "args", "accel"} <= set(graph) and graph["trainer"]  # the graph was read
+    assert {"trainer", "world", "args", "accel", "cluster.launch", "tools.report"} <= set(graph)  # the graph was read
+    assert {"cluster.cluster_config", "cluster.network", "errors"} <= graph["cluster.launch"]
+    assert "tools.report" in graph["cli"] and "cluster.wizard" in graph["cli"]  # imports by name count
     assert not circles(graph), sorted(circles(graph))
+
+
+def test_the_import_reader_resolves_relative_absolute_and_by_name_imports(tmp_path):
+    pkg = tmp_path / "sub"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text(
+        "from . import n\nfrom ..top import x\nfrom accel_trainer.sub.n import y\nimport accel_trainer.top\n"
+        "NAMED = 'accel_trainer.other'\n"
+    )
+    mods = {"sub", "sub.m", "sub.n", "top", "other"}
+    assert imports_of("sub.m", str(pkg / "m.py"), mods) == {"sub.n", "top", "other"}
+
+
+def test_the_loop_never_imports_the_cluster_commands_plotting_or_recipe_helpers():
+    """What makes the folders an architecture: a reader of the loop can ignore cluster/, tools/ and kit/, and an
+    install without the [report] extra trains. cli.py (the console script) is the one module that reaches them all;
+    kit/ (recipe helpers) may use the loop but not the commands."""
+    graph = import_graph()
+    assert {product(m) for m in graph} == {"loop", CLUSTER, TOOLS, KIT, CLI}, sorted(graph)
+    allowed = {"loop": {"loop"}, KIT: {"loop", KIT}, CLUSTER: {"loop", CLUSTER}, TOOLS: {"loop", TOOLS}}
+    wrong = {
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if product(m) != CLI
+        for d in deps
+        if product(d) not in allowed[product(m)]
+    }
+    assert not wrong, sorted(wrong)
+    # The package's own __init__ (what `import accel_trainer` runs) re-exports kit.metrics.load_metric, nothing else.
+    init = imports_of("", os.path.join(PACKAGE, "__init__.py"), set(modules()))
+    assert {product(d) for d in init} <= {"loop", KIT} and {d for d in init if product(d) == KIT} <= {"kit.metrics"}
+
+
+# The same at run time, whatever the source says: importing every module of the loop and of kit/ loads neither the
+# cluster commands nor the plotting command, nor matplotlib.
+LOADED = """
+import importlib, pkgutil, sys
+import accel_trainer
+
+
+def walk(path, prefix):  # pkgutil.walk_packages would import cluster/ and tools/ to list them
+    for m in pkgutil.iter_modules(path, prefix):
+        if m.name.split(".")[1] not in ("cluster", "tools", "cli"):
+            module = importlib.import_module(m.name)
+            if m.ispkg:
+                walk(module.__path__, m.name + ".")
+
+
+walk(accel_trainer.__path__, "accel_trainer.")
+assert "accel_trainer.kit.metric_modules" in sys.modules and "accel_trainer.trainer" in sys.modules  # walked
+print(sorted(n for n in sys.modules if n.startswith(("accel_trainer.cluster", "accel_trainer.tools", "matplotlib"))))
+"""
+
+
+def test_importing_the_loop_loads_no_cluster_command_and_no_plotting():
+    out = subprocess.run([sys.executable, "-c", LOADED], capture_output=True, text=True, env=env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
 
 
 # docs/architecture.md shows the module graph drawn from the code (mermaid, which GitHub renders), between these
@@ -67,9 +185,22 @@ DOC = os.path.join(ROOT, "docs", "architecture.md")
 
 
 def mermaid(graph: dict[str, set[str]]) -> str:
+    """The loop's modules at the top level, each subpackage's in a box named after its folder."""
+
+    def node(m):  # mermaid ids take no dots
+        return m.replace(".", "__")
+
     lines = ["```mermaid", "graph LR"]
-    lines += [f"    {m} --> {dep}" for m in sorted(graph) for dep in sorted(graph[m])]
-    lines += [f"    {m}" for m in sorted(graph) if not graph[m] and not any(m in deps for deps in graph.values())]
+    for package in sorted({m.split(".")[0] for m in graph if "." in m}):
+        lines.append(f'    subgraph {package}_folder ["{package}/"]')
+        lines += [f'        {node(m)}["{m.split(".", 1)[1]}"]' for m in sorted(graph) if m.startswith(package + ".")]
+        lines.append("    end")
+    lines += [f"    {node(m)} --> {node(dep)}" for m in sorted(graph) for dep in sorted(graph[m])]
+    lines += [
+        f"    {node(m)}"
+        for m in sorted(graph)
+        if "." not in m and not graph[m] and not any(m in deps for deps in graph.values())
+    ]
     return "\n".join(lines + ["```"])
 
 

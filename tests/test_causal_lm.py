@@ -111,7 +111,7 @@ def test_per_line_batches_mask_padding_and_weight_by_target_tokens(env):
 
 
 def test_missing_inputs_give_a_clear_error(env):
-    from accel_trainer.text import MissingInputError
+    from accel_trainer.kit.text import MissingInputError
 
     with pytest.raises(MissingInputError, match=r"train file .*nope\.txt.* does not exist.*--train_file"):
         clm.build_data(ctx(args(env, train_file=str(env["root"] / "nope.txt"))))
@@ -376,7 +376,7 @@ def test_a_hub_id_that_cannot_be_reached_is_a_clear_error(tmp_path):
 
     code = (
         "from transformers import AutoModelForCausalLM\n"
-        "from accel_trainer.text import load_pretrained\n"
+        "from accel_trainer.kit.text import load_pretrained\n"
         "load_pretrained(AutoModelForCausalLM, 'no-such-org/no-such-model')\n"
     )
     proc = subprocess.run(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import ROOT, call, env, free_port, two_machine_config
 
-from accel_trainer import check as preflight
+from accel_trainer.cluster import check as preflight
 
 CHECK = [sys.executable, "-m", "accel_trainer.cli", "check"]
 CONFIGS = os.path.join(ROOT, "accelerate_configs")

@@ -6,7 +6,7 @@ import pytest
 
 from accel_trainer import cli
 
-SUBCOMMANDS = ("train", "config", "check", "launch")
+SUBCOMMANDS = ("train", "config", "check", "launch", "report")
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -18,7 +18,7 @@ def test_help_lists_every_subcommand(capsys):
         assert name in out, f"accel-trainer --help does not list {name!r}:\n{out}"
 
 
-@pytest.mark.parametrize("module", ["wizard", "check"])
+@pytest.mark.parametrize("module", ["cluster.wizard", "cluster.check"])
 def test_a_subcommand_module_that_fails_to_import_is_an_error_not_a_missing_command(monkeypatch, module):
     # None in sys.modules makes `import accel_trainer.<module>` raise ImportError, as a broken import inside
     # the module (a missing dependency, a typo) would. The CLI must not carry on without that subcommand.

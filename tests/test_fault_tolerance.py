@@ -21,7 +21,7 @@ import pytest
 from helpers import env, flags, last_step, launch_cmd
 from procs import Launch
 
-from accel_trainer.cluster_config import RESTART_SAFE_ENV
+from accel_trainer.cluster.cluster_config import RESTART_SAFE_ENV
 from accel_trainer.faults import EXIT_PREEMPTED
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_recipe.py")

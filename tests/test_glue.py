@@ -68,7 +68,7 @@ def test_batches_are_padded_to_their_own_longest_pair(env):
 
 
 def test_length_grouped_batches(env):
-    from accel_trainer.text import LengthGroupedBatches
+    from accel_trainer.kit.text import LengthGroupedBatches
 
     data = glue.build_data(ctx(args(env)))
     train, collate = data["train"], data["collate"]
@@ -122,7 +122,7 @@ def test_glue_metric_per_task_offline(task, preds, refs, expected):
 
 
 def test_missing_or_wrong_inputs_give_a_clear_error(env):
-    from accel_trainer.text import MissingInputError
+    from accel_trainer.kit.text import MissingInputError
 
     with pytest.raises(MissingInputError, match=r"dataset path .*no-data.* does not exist.*--dataset_name"):
         glue.build_data(ctx(args(env, dataset_name=str(env["root"] / "no-data"))))

@@ -42,7 +42,7 @@ from pairwise import pairwise
 from procs import Launch
 from safetensors.torch import load_file, load_model
 
-from accel_trainer.cluster_config import RESTART_SAFE_ENV
+from accel_trainer.cluster.cluster_config import RESTART_SAFE_ENV
 
 pytestmark = pytest.mark.matrix
 

@@ -1,4 +1,4 @@
-"""Our offline `evaluate` modules (accel_trainer/metric_modules.py) honour every argument they accept."""
+"""Our offline `evaluate` modules (accel_trainer/kit/metric_modules.py) honour every argument they accept."""
 
 import pytest
 

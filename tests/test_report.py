@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import ROOT, env, metrics, run, run_config
 
-from accel_trainer import report
+from accel_trainer.tools import report
 
 RUN_ARGS = ["--max_steps", "20", "--logging_steps", "2", "--eval_steps", "5", "--disable_tqdm", "--save_steps", "0"]
 

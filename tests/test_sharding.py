@@ -418,8 +418,8 @@ def test_the_trainer_refuses_what_would_not_shard(tmp_path, monkeypatch, capsys)
 
 
 def test_launch_refuses_deepspeed_and_cpu_with_an_fsdp_config(tmp_path, capsys):
-    from accel_trainer.launch import launch
-    from accel_trainer.wizard import build_config
+    from accel_trainer.cluster.launch import launch
+    from accel_trainer.cluster.wizard import build_config
 
     fsdp, ds = tmp_path / "fsdp.yaml", tmp_path / "ds.yaml"
     build_config(1, 2, cpu=True, sharding="fsdp").to_yaml_file(str(fsdp))

@@ -187,7 +187,7 @@ def test_jsonl_shards_stream_split_across_ranks(corpus, tmp_path, monkeypatch):
     one clear error."""
     from text_fixtures import ctx, load_recipe_module
 
-    from accel_trainer.text import tokenizer_for
+    from accel_trainer.kit.text import tokenizer_for
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     docs = []

@@ -10,7 +10,7 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 from helpers import ROOT, free_port
 
-from accel_trainer import cluster_config
+from accel_trainer.cluster import cluster_config
 
 CONFIGS = os.path.join(ROOT, "accelerate_configs")
 

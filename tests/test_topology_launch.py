@@ -14,7 +14,7 @@ import time
 import pytest
 from helpers import ROOT, assert_same_weights, call, env, free_port, launch_cmd, two_machine_config, weights
 
-from accel_trainer.cluster_config import RESTART_SAFE_ENV, rdzv_flags
+from accel_trainer.cluster.cluster_config import RESTART_SAFE_ENV, rdzv_flags
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 STEPS, PER_DEVICE = 4, 8  # global batch 16: 2 machines x 1 process x 8, or 1 process x 16
@@ -218,7 +218,7 @@ def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
 
 
 def test_wrapper_refuses_a_config_that_would_run_the_wrong_world(tmp_path, capsys):
-    from accel_trainer import launch
+    from accel_trainer.cluster import launch
 
     cfg = tmp_path / "multi_cpu.yaml"
     cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: 'no'\nuse_cpu: true\n")
@@ -271,7 +271,7 @@ def test_each_process_alone_in_a_world_of_one_is_stopped(tmp_path):
 
 
 def test_wrapper_refuses_a_rank_out_of_range_and_an_unresolvable_main_address(tmp_path, capsys):
-    from accel_trainer import launch
+    from accel_trainer.cluster import launch
 
     cfg = two_machine_config(tmp_path, port=free_port(), rdzv="static")
     capsys.readouterr()
@@ -368,8 +368,8 @@ def test_preemption_signal_to_the_launcher_alone_reaches_each_worker_once_and_ex
 def test_preemption_notice_during_set_up_is_kept_checkpointed_at_the_first_update_and_exits_75(tmp_path):
     """SIGUSR1 while the workers still build their data (a slow tokenisation or load): the launcher ignores SIGUSR1
     in torchrun's agent, and an ignored signal stays ignored across exec into the workers, so the notice used to
-    be dropped and the run went on to the time limit. The workers keep it from import on: training starts, every
-    rank checkpoints at the first update boundary they agree on, and the launcher exits 75 (requeue)."""
+    be dropped and the run went on to the time limit. The workers keep it from the start of Trainer() on: training
+    starts, every rank checkpoints at the first update boundary they agree on, and the launcher exits 75 (requeue)."""
     import psutil
     from procs import Launch
 

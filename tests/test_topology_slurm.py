@@ -16,7 +16,7 @@ import pytest
 import slurm_cluster
 from helpers import ROOT, env, free_port, last_step, run_config
 
-from accel_trainer import wizard
+from accel_trainer.cluster import wizard
 from accel_trainer.faults import EXIT_PREEMPTED
 
 pytestmark = [

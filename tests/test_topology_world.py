@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 from accelerate.commands.config.config_args import ClusterConfig
 
-from accel_trainer import accel, cluster_config, network, world
+from accel_trainer import accel, world
+from accel_trainer.cluster import cluster_config, network
 from accel_trainer.errors import UserError
 from accel_trainer.world import TopologyError, check_world
 
@@ -232,7 +233,7 @@ def test_c10d_host_role_machine_0_hosts_when_it_owns_the_address_others_never():
 
 
 def test_launch_plan_keeps_the_users_interface_and_host_role(tmp_path, monkeypatch):
-    from accel_trainer import launch, wizard
+    from accel_trainer.cluster import launch, wizard
 
     argv = ["--dir", str(tmp_path), "--name", "two", "--no-interactive", "--machines", "2", "--cpu"]
     assert wizard.main(argv + ["--main-ip", "127.0.0.1", "--rdzv", "c10d"]) == 0
@@ -254,7 +255,7 @@ def test_launch_takes_the_machine_rank_from_a_per_machine_config_unless_the_flag
     c10d store host role, wrong notes). The flag, when given, wins -- as in accelerate."""
     import yaml
 
-    from accel_trainer import launch, wizard
+    from accel_trainer.cluster import launch, wizard
 
     argv = ["--dir", str(tmp_path), "--name", "two", "--no-interactive", "--machines", "2", "--cpu"]
     assert wizard.main(argv + ["--main-ip", "127.0.0.1", "--rdzv", "c10d"]) == 0
@@ -276,7 +277,7 @@ def machine0_name_is_loopback(tmp_path, monkeypatch):
     /etc/hosts line for the machine's own name), on a machine whose other address is 10.9.9.9 on eth7."""
     import socket
 
-    from accel_trainer import wizard
+    from accel_trainer.cluster import wizard
 
     real = socket.getaddrinfo
 
@@ -294,7 +295,7 @@ def machine0_name_is_loopback(tmp_path, monkeypatch):
 
 def test_machine_0_whose_name_resolves_to_loopback_announces_its_network_address(machine0_name_is_loopback):
     """Not lo / 127.0.0.1: c10d would hand that to the other machines as the store address."""
-    from accel_trainer import launch
+    from accel_trainer.cluster import launch
 
     p = launch.plan(["--config_file", machine0_name_is_loopback, "--machine_rank", "0", "t.py"])
     assert p.env["PET_LOCAL_ADDR"] == "10.9.9.9" and p.env["GLOO_SOCKET_IFNAME"] == "eth7"
@@ -305,7 +306,7 @@ def test_machine_0_whose_name_resolves_to_loopback_announces_its_network_address
 
 
 def test_machine_0_loopback_name_with_several_candidate_addresses_is_refused(machine0_name_is_loopback, monkeypatch):
-    from accel_trainer import launch
+    from accel_trainer.cluster import launch
 
     monkeypatch.setattr(network, "cluster_addresses", lambda: [("10.9.9.9", "eth7"), ("10.8.8.8", "eth8")])
     monkeypatch.setattr(network, "_default_route_interface", lambda: None)
@@ -317,7 +318,7 @@ def test_machine_0_loopback_name_with_several_candidate_addresses_is_refused(mac
 
 
 def test_other_machine_whose_name_for_machine_0_resolves_to_loopback_is_refused(machine0_name_is_loopback):
-    from accel_trainer import launch
+    from accel_trainer.cluster import launch
 
     with pytest.raises(UserError, match="a loopback address, this machine itself, not machine 0"):
         launch.plan(["--config_file", machine0_name_is_loopback, "--machine_rank", "1", "t.py"])

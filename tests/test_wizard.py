@@ -10,7 +10,7 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from helpers import ROOT, env, two_machine_config
 
-from accel_trainer import wizard
+from accel_trainer.cluster import wizard
 
 SKIP = ["--skip-device-check"]  # GPU topologies are written here for other machines
 TWO_X8 = ["--machines", "2", "--gpus-per-machine", "8", "--mixed-precision", "bf16", "--main-ip", "machine0.invalid"]
@@ -100,7 +100,7 @@ def wizard_at_a_terminal(tmp_path, answers: list[tuple[str, str | None]]):
     (None: answer nothing, e.g. after an error line), run to the end. Returns (the closed child, {prompt: match})."""
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "accel_trainer.wizard", "--dir", str(tmp_path)],
+        ["-m", "accel_trainer.cluster.wizard", "--dir", str(tmp_path)],
         cwd=ROOT,
         env={**env(), "CUDA_VISIBLE_DEVICES": ""},
         encoding="utf-8",
@@ -208,7 +208,7 @@ def test_interactive_without_gpus_for_this_machine_switches_to_cpu_processes(tmp
 def test_machine_0_default_address_is_never_loopback(hostname_ip, interfaces, offered, monkeypatch):
     import socket
 
-    from accel_trainer import network
+    from accel_trainer.cluster import network
 
     monkeypatch.setattr(socket, "gethostbyname", lambda name: hostname_ip)
     monkeypatch.setattr(network, "cluster_addresses", lambda: interfaces)

@@ -9,14 +9,9 @@ import os
 import socket
 from dataclasses import dataclass
 
-from .errors import UserError
+from ..errors import UserError
 
 DEFAULT_PORT = 29500
-
-
-# How the processes find each other: the store address torchrun gives the workers, and the interfaces gloo and
-# NCCL use. Recorded in run_config.json's topology and shown by `accel-trainer check`.
-NETWORK_ENV = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def port_free(port: int, host: str = "") -> tuple[bool, str]:

@@ -5,8 +5,8 @@
 import os
 import shlex
 
-from .errors import UserError
-from .world import _dtype, machine_rank_problem, world_from_config
+from ..errors import UserError
+from ..world import _dtype, machine_rank_problem, world_from_config
 
 # torchrun waits 900 s (static) or 600 s (c10d) for a missing machine by default; we bound it tighter.
 DEFAULT_RDZV_TIMEOUT_S = 120
@@ -85,7 +85,7 @@ def validate_config(config, gpus_detected: int | None = None) -> list[str]:
     if config.rdzv_backend not in ("static", "c10d"):
         p.append(f"rdzv_backend={config.rdzv_backend!r}: use 'static' (fixed machines) or 'c10d' (elastic).")
     mp = str(config.mixed_precision or "no")
-    from .sharding import config_problems
+    from ..sharding import config_problems
 
     p += config_problems(config)  # DeepSpeed is refused; FSDP must be version 2, with >= 2 processes on CPU
     if cpu:

@@ -14,9 +14,10 @@ import socket
 import subprocess
 import sys
 
-from accel_trainer import accel, cluster_config, network, world
+from accel_trainer import accel, world
+from accel_trainer.cluster import cluster_config, network
+from accel_trainer.cluster.launch import diagnose, plan
 from accel_trainer.errors import UserError
-from accel_trainer.launch import diagnose, plan
 
 ENV_VARS = (
     "WORLD_SIZE",
@@ -237,7 +238,7 @@ def launch_argv(a, config) -> list[str]:
         argv += ["--main_process_port", str(a.main_process_port)]
     if int(config.num_machines or 1) > 1:
         argv += ["--machine_rank", str(a.machine_rank)] + cluster_config.rdzv_flags(config.rdzv_backend, a.timeout)
-    return argv + ["-m", "accel_trainer.check", "--worker", "--timeout", str(a.timeout)]
+    return argv + ["-m", "accel_trainer.cluster.check", "--worker", "--timeout", str(a.timeout)]
 
 
 def run_collective(a, config, r) -> bool:

@@ -15,7 +15,7 @@ import shlex
 import socket
 import sys
 
-from accel_trainer import cluster_config, network
+from accel_trainer.cluster import cluster_config, network
 from accel_trainer.faults import EXIT_PREEMPTED
 
 MIXED = ("no", "bf16", "fp16")
@@ -37,7 +37,7 @@ def detect() -> dict:
     """What this machine has, to offer as defaults."""
     import torch
 
-    from .precision import has_fast_bf16
+    from ..precision import has_fast_bf16
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return {

@@ -26,7 +26,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from accel_trainer import cluster_config, faults, network, sharding, world
+from accel_trainer import faults, sharding, world
+from accel_trainer.cluster import cluster_config, network
 from accel_trainer.errors import UserError
 from accel_trainer.faults import EXIT_PREEMPTED
 

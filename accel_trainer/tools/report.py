@@ -11,7 +11,8 @@ Runs are overlaid, one colour each, labelled by their folder name or `--labels`:
     accel-trainer report runs/reg_1proc runs/reg_2proc --out report.png
     accel-trainer report runs/a runs/b --labels "1 process" "2 processes" --x time --cols 3 --out time.png
 
-matplotlib is imported only here (Agg backend: no display needed).
+matplotlib (the [report] extra: `pip install 'accel-trainer[report]'`) is imported only here, with the Agg backend
+(no display needed).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import os
 import sys
 
-from .errors import UserError
+from ..errors import UserError, need
 
 # Bookkeeping, not curves: the axes themselves, and eval_samples (the size of the eval split, a constant).
 NOT_PLOTTED = {"step", "epoch", "elapsed_s", "eval_samples"}
@@ -176,6 +177,7 @@ def plot_runs(
 
     Cells fill a grid row by row: with both views, each panel's step and time views side by side (cols 2);
     with one view, `cols` panels per row (default 2)."""
+    matplotlib = need("matplotlib", "report", "accel-trainer report")  # the [report] extra; before any work
     if x not in ("both", *X_VIEWS):
         raise ReportError(f"--x {x!r}: use step, time or both.")
     views = list(X_VIEWS) if x == "both" else [x]
@@ -187,8 +189,6 @@ def plot_runs(
     layout = panels(runs)
     if not layout:
         raise ReportError(f"{', '.join(run_dirs)}: metrics.jsonl holds no numeric fields to draw.")
-
-    import matplotlib
 
     matplotlib.use("Agg")  # files only; works without a display and does not disturb an interactive session
     import matplotlib.pyplot as plt
@@ -262,13 +262,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(a) -> int:
     try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("error: accel-trainer report needs matplotlib: pip install matplotlib", file=sys.stderr)
-        return 1
-    try:
         drawn = plot_runs(a.run_dirs, a.out, labels=a.labels, x=a.x, dpi=a.dpi, cols=a.cols)
-    except ReportError as e:
+    except UserError as e:  # ReportError, or matplotlib missing (the [report] extra)
         print(f"error: {e}", file=sys.stderr)
         return 1
     n_panels = len({k[0] for k in drawn})
