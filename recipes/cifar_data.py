@@ -61,10 +61,49 @@ def _pickle_dir(path):
     return None
 
 
+def _numpy_globals():
+    """What the original CIFAR-10 pickles (and a Python 3 / NumPy 2 re-pickle of them) name: an array's
+    reconstructor, its class and its dtype, and `_codecs.encode` (how protocols 0-2 spell bytes in Python 3: str to
+    bytes, nothing more). Compared by identity after resolution, so no other object passes under these names."""
+    import _codecs
+
+    from numpy._core import multiarray, numeric
+
+    return {multiarray._reconstruct, np.ndarray, np.dtype, numeric._frombuffer, _codecs.encode}
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """The data files are pickles: unpickled with an allow-list of NumPy's array globals, so that a file crafted
+    to run code (a `__reduce__` naming `os.system`) is refused instead of run. Nothing read from a data file runs."""
+
+    NAMES = {  # checked before anything is imported: naming a module in a pickle must not import it
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self.NAMES:
+            obj = super().find_class(module, name)
+            if any(obj is allowed for allowed in _numpy_globals()):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not a NumPy array global; refused, not run")
+
+
 def _load_pickle_dir(d):
     def read(name):
-        with open(os.path.join(d, name), "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
+        path = os.path.join(d, name)
+        try:
+            with open(path, "rb") as f:
+                batch = _ArraysOnly(f, encoding="bytes").load()
+            if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+                raise ValueError("not a dict with b'data' and b'labels'")
+        except (pickle.UnpicklingError, ValueError, EOFError) as e:
+            raise CifarDataError(f"{path} is not a CIFAR-10 batch file ({e}); it was not run.") from None
         # Rows are 3072 bytes: the red plane, then green, then blue (CHW); we keep HWC like the Hub images.
         images = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
         return images, np.asarray(batch[b"labels"], dtype=np.int64)

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import cifar  # noqa: E402
 import cifar_data  # noqa: E402
-from cifar_data import DeviceLoader, augment_gather, load_cifar10  # noqa: E402
+from cifar_data import CifarDataError, DeviceLoader, augment_gather, load_cifar10  # noqa: E402
 from helpers import env as child_env  # noqa: E402
 from helpers import launch_cmd  # noqa: E402
 
@@ -54,6 +54,40 @@ def test_hub_layout_and_pickle_folder_load_the_same_arrays(tiny, tmp_path):
     # The parent of cifar-10-batches-py works too.
     parent = load_cifar10(os.path.dirname(tiny["pickle"]), use_cache=False)
     np.testing.assert_array_equal(parent["train"][0], hub["train"][0])
+
+
+class _RunsCode:
+    """A pickled object whose unpickling runs a shell command: what a crafted data file would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_pickle_folder_is_refused_without_running_code(tiny, tmp_path):
+    # The original CIFAR layout is pickles: a copy from elsewhere must never run code when loaded. A data_batch_1
+    # whose array is an object that runs a command, in protocols 2 (the original files') and 5: refused in one
+    # line naming the file, the command never runs, from Python and from the recipe's command line.
+    import pickle
+    import shutil
+
+    marker = tmp_path / "ran"
+    for protocol in (2, 5):
+        folder = tmp_path / f"crafted{protocol}" / "cifar-10-batches-py"
+        shutil.copytree(tiny["pickle"], folder)
+        with open(folder / "data_batch_1", "wb") as f:
+            pickle.dump({b"data": _RunsCode(marker), b"labels": [0]}, f, protocol=protocol)
+        with pytest.raises(CifarDataError, match="data_batch_1.*not run"):
+            load_cifar10(str(folder), use_cache=False)
+        assert not marker.exists()
+    proc = run_recipe(["--dataset", str(folder), "--cache_dir", str(tmp_path / "cache")]
+                      + ["--output_dir", str(tmp_path / "out"), "--max_steps", "1"])  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data_batch_1" in errors[0], proc.stderr[-3000:]
+    assert not marker.exists()
 
 
 def test_decoded_arrays_are_cached(tiny, tmp_path, monkeypatch):
