@@ -180,7 +180,7 @@ class TokenClassification:
     `label_names` maps ids to tags ("O", "B-PER", "I-PER", ...); E-/S- (IOBES) tags are read as conlleval does.
     """
 
-    def __init__(self, label_names, keep_in_memory: bool = True, ignore_index: int = -100):
+    def __init__(self, label_names=None, keep_in_memory: bool = True, ignore_index: int = -100):
         if not label_names:
             raise ValueError("token_classification: pass label_names, the tag of each label id (e.g. ['O', 'B-PER']).")
         self.label_names = [str(n) for n in label_names]
