@@ -67,6 +67,8 @@ def gather(accelerator, eval_loader, out: dict) -> dict:
     """Per-sample eval tensors of this rank's batch of `eval_loader` -> those of every rank, each sample of the
     split once."""
     acc = accelerator
+    if acc.num_processes > 1:
+        out = pad_tokens(acc, out)
     if isinstance(eval_loader, DataLoaderShard):
         return acc.gather_for_metrics(out)  # drops the samples Accelerate repeated to even out the ranks
     if acc.num_processes == 1:
@@ -78,6 +80,19 @@ def gather(accelerator, eval_loader, out: dict) -> dict:
     gathered = acc.gather(acc.pad_across_processes(out, dim=0))
     valid = gathered.pop("_valid").bool()
     return {k: v[valid] for k, v in gathered.items()}
+
+
+def pad_tokens(accelerator, out: dict) -> dict:
+    """Per-token predictions/references ([batch, tokens, ...]) padded along dim 1 with -100 to the widest rank's:
+    batches padded per batch to their own longest row have different widths on different ranks, and a gather
+    needs one shape. -100 is what metrics skip (transformers' ignore index). A collective on every rank: each
+    rank's predictions have the same number of dimensions (one recipe)."""
+    return {
+        k: accelerator.pad_across_processes(v, dim=1, pad_index=-100)
+        if k in ("predictions", "references") and torch.is_tensor(v) and v.ndim >= 2
+        else v
+        for k, v in out.items()
+    }
 
 
 @torch.no_grad()

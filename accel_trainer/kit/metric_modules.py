@@ -161,3 +161,104 @@ def _matthews(p: np.ndarray, r: np.ndarray) -> float:
 
 
 BUILTIN["glue"] = Glue
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token classification (recipes/token_classification.py): entity-level precision/recall/F1 with the semantics of
+# conlleval and seqeval's default mode, plus token accuracy, from per-token label ids [batch, tokens] where -100
+# marks positions that are not scored (special tokens, padding, a word's later sub-tokens).
+class TokenClassification:
+    """Entity-level micro precision/recall/F1 (conlleval / seqeval default mode) and token accuracy.
+
+    Not an `evaluate.Metric`: it keeps counts, not the tokens, and takes rows of any length. It follows the metric
+    protocol the Trainer needs: `add_batch(predictions=, references=)` with int tensors or nested lists of shape
+    [batch, tokens] (rows may have different lengths, -100 in `references` drops that position from both), then
+    `compute()` -> {"precision", "recall", "f1", "accuracy"} (floats; 0.0 where a ratio is 0/0), which resets.
+
+    Spans follow conlleval, so IOB1 and IOB2 tags are both read right: a chunk starts at B-, at I- after O or
+    after a chunk of another type, and ends where the next tag is O, B- or another type (or the row ends).
+    `label_names` maps ids to tags ("O", "B-PER", "I-PER", ...); E-/S- (IOBES) tags are read as conlleval does.
+    """
+
+    def __init__(self, label_names=None, keep_in_memory: bool = True, ignore_index: int = -100):
+        if not label_names:
+            raise ValueError("token_classification: pass label_names, the tag of each label id (e.g. ['O', 'B-PER']).")
+        self.label_names = [str(n) for n in label_names]
+        self.ignore_index = ignore_index
+        self._reset()
+
+    def _reset(self):
+        self.tp = self.n_pred = self.n_true = 0
+        self.correct = self.tokens = 0
+
+    def _tags(self, ids) -> list[str]:
+        out = []
+        for i in ids:
+            if not 0 <= i < len(self.label_names):
+                raise ValueError(
+                    f"token_classification: label id {i} is outside the {len(self.label_names)} label_names; "
+                    "pass the label_names of every id the model can predict (-100 marks positions to skip)."
+                )
+            out.append(self.label_names[i])
+        return out
+
+    def add_batch(self, *, predictions, references):
+        preds, refs = _rows(predictions), _rows(references)
+        if len(preds) != len(refs):
+            raise ValueError(f"token_classification: {len(preds)} prediction rows for {len(refs)} reference rows.")
+        for p, r in zip(preds, refs):
+            if len(p) != len(r):
+                raise ValueError(f"token_classification: a row of {len(p)} predictions has {len(r)} references.")
+            kept = [(a, b) for a, b in zip(p, r) if b != self.ignore_index]
+            ptags, rtags = self._tags([a for a, _ in kept]), self._tags([b for _, b in kept])
+            pred_spans, true_spans = set(entities(ptags)), set(entities(rtags))
+            self.tp += len(pred_spans & true_spans)
+            self.n_pred += len(pred_spans)
+            self.n_true += len(true_spans)
+            self.correct += sum(a == b for a, b in kept)
+            self.tokens += len(kept)
+
+    def compute(self, *, predictions=None, references=None) -> dict:
+        if predictions is not None:
+            self.add_batch(predictions=predictions, references=references)
+        out = {
+            "precision": _ratio(self.tp, self.n_pred),
+            "recall": _ratio(self.tp, self.n_true),
+            "f1": _ratio(2 * self.tp, self.n_pred + self.n_true),
+            "accuracy": _ratio(self.correct, self.tokens),
+        }
+        self._reset()
+        return out
+
+
+def _rows(x) -> list[list[int]]:
+    if hasattr(x, "tolist"):  # a tensor or array [batch, tokens]
+        x = x.tolist()
+    return [[int(v) for v in row] for row in x]
+
+
+def _split(tag: str) -> tuple[str, str]:
+    """'B-PER' -> ('B', 'PER'); 'O' -> ('O', '_') (seqeval's reading of a tag)."""
+    if tag == "O":
+        return "O", "_"
+    return tag[0], tag[1:].split("-", maxsplit=1)[-1] or "_"
+
+
+def entities(tags: list[str]) -> list[tuple[str, int, int]]:
+    """(type, first, last) of each chunk in a row of tags, with conlleval's start/end rules (seqeval's
+    get_entities): an I- after O, or after another type, starts a chunk (IOB1); a B- always does (IOB2)."""
+    spans, start, prev, prev_type = [], None, "O", "_"
+    for i, tag in enumerate(tags + ["O"]):  # a sentinel O closes a chunk that runs to the end of the row
+        t, typ = _split(tag)
+        ends = prev in ("E", "S") or (prev in ("B", "I") and t in ("B", "S", "O")) or (prev != "O" and prev_type != typ)
+        if ends and start is not None:
+            spans.append((prev_type, start, i - 1))
+            start = None
+        starts = t in ("B", "S") or (prev in ("E", "S", "O") and t in ("E", "I")) or (t != "O" and prev_type != typ)
+        if starts:
+            start = i
+        prev, prev_type = t, typ
+    return spans
+
+
+BUILTIN["token_classification"] = TokenClassification
