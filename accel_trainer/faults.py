@@ -324,7 +324,8 @@ def describe_peer_failure(
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     where = ""
     if dumps is not None:
-        places = [dumps.where(r) for r in culprits[:4]] + [dumps.where(rank)]
+        deadline = time.monotonic() + 5  # one bound for all: a file on another machine's disk never appears here
+        places = [dumps.where(r, deadline) for r in culprits[:4]] + [dumps.where(rank, deadline)]
         where = f"; {'; '.join(places)}; the Python stack of every rank: {dumps.directory}/rank<N>.txt"
     return PeerFailure(
         f"rank {rank}: a collective failed after step {step} ({first}): {dead_ranks_phrase(culprit)} "
@@ -439,9 +440,9 @@ class StackDumps:
             except OSError:
                 pass
 
-    def where(self, rank: int, wait_s: float = 5.0) -> str:
-        """ "rank 1 was in loss (recipe.py:77)", from its stack file (waited for up to `wait_s`)."""
-        deadline = time.monotonic() + wait_s
+    def where(self, rank: int, deadline: float) -> str:
+        """ "rank 1 was in loss (recipe.py:77), its last collective ...", from its stack file (waited for until
+        `deadline`, a time.monotonic())."""
         text = ""
         while True:
             try:
@@ -452,9 +453,7 @@ class StackDumps:
                 break
             time.sleep(0.2)
         if _DUMP_DONE not in text:
-            return (
-                f"rank {rank}: no stack written within {wait_s:g} s (another machine's disk, or stuck holding the GIL)"
-            )
+            return f"rank {rank}: no stack here in time (on another machine's disk, or the rank holds the GIL)"
         frames = _main_thread_frames(text)
         last = re.search(r"^last collective: (.*)$", text, re.M)
         last = f", its last collective {last.group(1)}" if last else ""

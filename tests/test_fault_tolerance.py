@@ -326,6 +326,7 @@ def test_hung_rank_is_named_with_the_line_where_it_hangs_and_every_ranks_stack(t
     # torch's Flight Recorder: rank 0 entered a collective that rank 1 never reached
     seq = {int(n): int(q) for n, q in re.findall(r"rank (\d) was in [^;]*, its last collective #(\d+) ", errors[0])}
     assert seq.keys() == {0, 1} and seq[0] > seq[1], errors[0]
+    print(f"the job ended {took:.0f} s after the hang")
     assert took < 5 + 5 + 25, f"{took:.0f} s"  # ddp_timeout + the monitored barrier + slack on a loaded machine
     stacks = {n: open(out / "stacks" / f"rank{n}.txt").read() for n in (0, 1)}
     assert f'fault_recipe.py", line {line} in loss' in stacks[1], stacks[1]
