@@ -57,6 +57,20 @@ def nccl_error_handling(environ=None):
         environ[name] = value
 
 
+# torch's Flight Recorder keeps the last N collectives each rank entered (name, sequence number, state), on gloo and
+# NCCL alike; faults.StackDumps writes them beside each rank's stack when a collective fails. Read when the process
+# group is created. 0 switches it off; measured ~20 us per collective on this project's gloo CPU runs.
+FLIGHT_RECORDER = ("TORCH_FR_BUFFER_SIZE", "2000")
+
+
+def flight_recorder(environ=None):
+    """Set FLIGHT_RECORDER unless the user chose a size (under either of torch's names for it)."""
+    environ = os.environ if environ is None else environ
+    name, value = FLIGHT_RECORDER
+    if not environ.get(name) and not environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        environ[name] = value
+
+
 def process_group_kwargs(timeout_s: float):
     """Accelerate kwargs handler bounding process-group setup and every collective to `timeout_s` seconds.
 
@@ -100,6 +114,7 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
     AcceleratorState._reset_state()
     GradientState._reset_state()
     nccl_error_handling()  # before the process group exists (Accelerator creates it)
+    flight_recorder()
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=args.mixed_precision,  # None: ACCELERATE_MIXED_PRECISION from the launcher/config

@@ -430,7 +430,9 @@ class Trainer:
         self.model.train()
         self.meter.restart()
         self.events.fire("fit_start", self)
-        peers = faults.peer_failures(self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step)
+        peers = faults.peer_failures(
+            self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step, args.output_dir
+        )
         with self._no_write_left_behind(), self.preemption, peers:
             for window in self.windows():  # this rank's micro-batches of one optimizer update
                 self.update(window)

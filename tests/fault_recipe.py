@@ -7,6 +7,7 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                exit_at=R:N    rank R exits with status 3 after update N, on the first elastic
                                               attempt only
                                hang_at=R:N    rank R stops making progress after update N (SIGTERM ends it)
+                               sleep_in_loss=R:N  rank R sleeps inside `loss` during update N (SIGTERM ends it)
                                build_delay=S  sleep S s in build_data (a slow set-up: tokenising, loading)
                                save_fail=R:N  rank R fails writing the checkpoint of step N (PermissionError)
                                raise_at=N     every rank raises a RuntimeError after update N (a bug in a handler)
@@ -60,6 +61,9 @@ def loss(model, batch):
     if isinstance(model, FSDPModule):
         synced = [name for name, p in model.named_parameters() if p.grad is not None]
         assert not synced, f"FSDP reduced gradients inside an accumulation window: {synced}"
+    if _sleep_now:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a process stuck in C code: torchrun's SIGTERM ends it
+        time.sleep(600)  # sleep_in_loss: the line a hang report must name
     loss, n = regression.loss(model, batch)
     if _nan_now:
         _faulted.set()
@@ -68,6 +72,7 @@ def loss(model, batch):
 
 
 _nan_now = False  # set by nan_at, from the update_end before that update
+_sleep_now = False  # set by sleep_in_loss, likewise
 
 
 def build_data(ctx):
@@ -80,7 +85,7 @@ def build_data(ctx):
 
 
 KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
-        "hold_save")  # fmt: skip
+        "hold_save", "sleep_in_loss")  # fmt: skip
 
 
 def _faults(trainer) -> dict:
@@ -108,9 +113,12 @@ def on_update_end(trainer):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             time.sleep(1)
+    global _nan_now, _sleep_now
     if f.get("nan_at") == (step + 1,):
-        global _nan_now
         _nan_now = True
+    if f.get("sleep_in_loss") == (rank, step + 1):
+        print(f"[test fault] rank {rank} sleeps in loss during update {step + 1}", file=sys.stderr, flush=True)
+        _sleep_now = True
     if f.get("raise_at") == (step,):
         _faulted.set()
         raise RuntimeError(f"test fault: a handler fails after step {step}")

@@ -103,6 +103,33 @@ def test_nccl_errors_surface_as_exceptions_so_the_dead_rank_is_named(tmp_path, m
     assert seen == ["2", "1"]
 
 
+def test_flight_recorder_is_on_before_the_process_group_unless_the_user_chose(tmp_path, monkeypatch):
+    """torch's Flight Recorder (the last collectives each rank entered, named in a hang report) is read when the
+    process group is created: the Accelerator is built with TORCH_FR_BUFFER_SIZE set; the user's own size (under
+    either of torch's names, 0 switching it off) wins. That it records on gloo: test_fault_tolerance.py's hang test."""
+    import os
+
+    from accel_trainer import accel
+
+    seen = []
+
+    def record(*a, **k):
+        seen.append((os.environ.get("TORCH_FR_BUFFER_SIZE"), os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")))
+        raise _Built
+
+    monkeypatch.setattr(accel, "Accelerator", record)
+    for name, users in ((None, None), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "0"), ("TORCH_FR_BUFFER_SIZE", "7")):
+        for each in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+            monkeypatch.delenv(each, raising=False)
+        if name:
+            monkeypatch.setenv(name, users)
+        try:
+            build_accelerator(TrainingArguments(output_dir=str(tmp_path)))
+        except _Built:
+            pass
+    assert seen == [("2000", None), (None, "0"), ("7", None)]
+
+
 def test_compiling_on_a_cpu_turns_inductor_weight_prepacking_off_unless_the_user_chose(tmp_path, monkeypatch):
     # accel.inductor_on_cpu: the workaround for pytorch/pytorch#181618 (test_compile_cpu.py runs the crash itself).
     import torch._inductor.config as inductor

@@ -4,7 +4,8 @@
   model.safetensors is byte-identical to the uninterrupted run's;
 - SIGTERM / SIGUSR1: a checkpoint, exit code 75, and the resumed run is still the uninterrupted one;
 - elastic: a worker exits non-zero once under --max_restarts 1, the group restarts and resumes by itself;
-- a hung rank ends the job within --ddp_timeout plus a bound, naming the rank; no process is left behind.
+- a hung rank ends the job within --ddp_timeout plus a bound, naming the rank and the line where it hangs, with
+  every rank's stack in the output folder; no process is left behind.
 
 Runs are slowed and faults injected by tests/fault_recipe.py (the regression recipe plus event handlers).
 Every process tree started here is killed in a finally block.
@@ -12,6 +13,7 @@ Every process tree started here is killed in a finally block.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -307,6 +309,28 @@ def test_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path, runs):
     assert rc != 0
     assert "rank 1 died or hangs" in log, log
     assert took < 5 + 10 + 20, f"{took:.0f} s"  # ddp_timeout + the monitored barrier + slack on a loaded machine
+    r.no_process_left()
+
+
+def test_hung_rank_is_named_with_the_line_where_it_hangs_and_every_ranks_stack(tmp_path, runs):
+    # Rank 1 sleeps inside the recipe's `loss` during update 5; rank 0 waits in the update's collective.
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 2, ["--ddp_timeout", "5"], faults="sleep_in_loss=1:5")
+    rc, took, log = end_after(r, "[test fault] rank 1 sleeps in loss")
+    assert rc != 0
+    line = next(i for i, text in enumerate(open(SCRIPT), 1) if "time.sleep(600)  # sleep_in_loss" in text)
+    errors = [row for row in log.splitlines() if "rank 1 died or hangs" in row]
+    assert errors, log[-6000:]
+    assert f"rank 1 was in loss (fault_recipe.py:{line})" in errors[0], errors[0]
+    assert "rank 0 was in " in errors[0] and f"{out}/stacks/rank<N>.txt" in errors[0], errors[0]
+    # torch's Flight Recorder: rank 0 entered a collective that rank 1 never reached
+    seq = {int(n): int(q) for n, q in re.findall(r"rank (\d) was in [^;]*, its last collective #(\d+) ", errors[0])}
+    assert seq.keys() == {0, 1} and seq[0] > seq[1], errors[0]
+    print(f"the job ended {took:.0f} s after the hang")
+    assert took < 5 + 5 + 25, f"{took:.0f} s"  # ddp_timeout + the monitored barrier + slack on a loaded machine
+    stacks = {n: open(out / "stacks" / f"rank{n}.txt").read() for n in (0, 1)}
+    assert f'fault_recipe.py", line {line} in loss' in stacks[1], stacks[1]
+    assert "rank 0 asked" in stacks[1] and "its collective failed" in stacks[0], stacks
     r.no_process_left()
 
 
