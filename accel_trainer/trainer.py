@@ -36,10 +36,11 @@ from tqdm.auto import tqdm
 from . import checkpoint as ckpt
 from . import cpu_allocator, evaluation, faults, loaders, precision, sharding
 from .accel import build_accelerator, inductor_on_cpu
-from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
+from .args import TrainingArguments
 from .errors import UserError
 from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
+from .resolve import ResolvedArgs, resolve_args, user_values
 from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops, host_floats
 from .update import Updater, is_plain_torch, registered_comm_hook
