@@ -158,7 +158,7 @@ def build_scheduler(optimizer, ctx):
     # The Trainer's own default (--lr_scheduler_type, --warmup_steps/ratio), called here to show where a recipe builds
     # its own schedule (e.g. torch.optim.lr_scheduler.OneCycleLR). ctx.num_training_steps: the optimizer updates of
     # the whole run, known once the data is built.
-    from accel_trainer.trainer import default_scheduler
+    from accel_trainer.optim import default_scheduler
 
     return default_scheduler(optimizer, ctx.num_training_steps, ctx.targs)
 

@@ -163,7 +163,7 @@ def test_the_callers_arguments_are_not_changed_and_a_second_trainer_scales_from_
 
 
 def test_the_default_adamw_is_fused_where_torch_has_it_steps_like_the_loop_and_skips_fp16_overflows(tmp_path):
-    from accel_trainer.trainer import default_optimizer
+    from accel_trainer.optim import default_optimizer
 
     def model():
         torch.manual_seed(0)
