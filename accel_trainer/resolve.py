@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any, NamedTuple
 
 from .args import ArgumentError, TrainingArguments
 from .flags import parse_args
+from .recipe import Recipe, RecipeContext, load_recipe
 from .world import launched_world_size
 
 
@@ -59,9 +62,7 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
     the user set (`ctx.given`) and leaves them alone. Returns ResolvedArgs(targs, recipe args or None, given).
     A bad flag exits 2 (argparse); a bad keyword raises ArgumentError naming it.
     """
-    from .recipe import RecipeContext, load_recipe
-
-    recipe = load_recipe(recipe)
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)  # run() passes the one it loaded
     if values is None:
         targs, rargs, given = parse_args(recipe.Args, argv, defaults=recipe.defaults, return_given=True)
     else:
@@ -82,3 +83,21 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
         world = world_size if world_size is not None else launched_world_size()
         recipe.configure(RecipeContext(args=rargs, targs=targs, world_size=world, given=given))
     return ResolvedArgs(targs, rargs, given)
+
+
+def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:
+    """--output_dir, or output/<recipe name> when it is not given."""
+    return args.output_dir if args.output_dir is not None else os.path.join("output", recipe.name)
+
+
+def trainer_arguments(recipe, args=None, recipe_args=None) -> tuple[Recipe, TrainingArguments, Any, frozenset]:
+    """What a Trainer runs with: the recipe (loaded, unless it is a Recipe already: run() loads it once), the
+    training arguments, the recipe's arguments and the fields the user set. The training arguments are a copy of
+    the caller's: they are not changed (the output folder default), so they can build another Trainer.
+    resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe Args) is resolved like
+    the same flags on the command line."""
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    resolved = args if isinstance(args, ResolvedArgs) else resolve_args(recipe, values=user_values(args, recipe_args))
+    targs = dataclasses.replace(resolved.targs)
+    targs.output_dir = output_dir_of(targs, recipe)
+    return recipe, targs, resolved.rargs, resolved.given

@@ -20,7 +20,8 @@ USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, FileExistsError, Not
 
 def run(recipe, argv: list[str] | None = None) -> dict:
     from .recipe import load_recipe
-    from .trainer import Trainer, output_dir_of
+    from .resolve import output_dir_of
+    from .trainer import Trainer
 
     output_dir = None  # known once the arguments are: a full disk from then on is one line
     try:

@@ -16,7 +16,6 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
@@ -39,8 +38,13 @@ from .args import TrainingArguments
 from .errors import UserError
 from .events import Events
 from .optim import default_optimizer, default_scheduler
-from .recipe import Recipe, RecipeContext, load_recipe
-from .resolve import ResolvedArgs, resolve_args, user_values
+from .recipe import RecipeContext, load_recipe
+from .resolve import (
+    ResolvedArgs,
+    output_dir_of,  # noqa: F401 - its old home: callers may still import it from here
+    resolve_args,
+    trainer_arguments,
+)
 from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops, host_floats
 from .update import Updater, is_plain_torch, registered_comm_hook
@@ -71,17 +75,11 @@ class Progress:
     best_step: int | None = None
 
 
-def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:
-    """--output_dir, or output/<recipe name> when it is not given."""
-    return args.output_dir if args.output_dir is not None else os.path.join("output", recipe.name)
-
-
 class Trainer:
     def __init__(
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
-        self.recipe: Recipe = load_recipe(recipe)
-        self.args, self.recipe_args, self.given = self._own_arguments(args, recipe_args)
+        self.recipe, self.args, self.recipe_args, self.given = trainer_arguments(recipe, args, recipe_args)
         args = self.args
         self.accelerator = acc = build_accelerator(args)
         self._check_world()
@@ -168,18 +166,6 @@ class Trainer:
         from .world import check_world
 
         check_world(self.accelerator)
-
-    def _own_arguments(self, args, recipe_args):
-        """(training arguments, recipe arguments, the fields the user set), the training arguments a copy of the
-        caller's: they are not changed (the output folder default, the scaled learning rate), so they can build
-        another Trainer. resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe
-        Args) is resolved like the same flags on the command line."""
-        resolved = (
-            args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
-        )
-        targs = dataclasses.replace(resolved.targs)
-        targs.output_dir = output_dir_of(targs, self.recipe)
-        return targs, resolved.rargs, resolved.given
 
     def _prepare_output_dir(self) -> str | None:
         """The checkpoint to resume from (None: a new run), once every rank has checked output_dir; then it exists."""
