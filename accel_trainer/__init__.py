@@ -1,6 +1,5 @@
 """accel-trainer: a thin training loop on Hugging Face Accelerate. See README.md and docs/architecture.md."""
 
-from . import faults
 from .args import TrainingArguments
 from .errors import UserError
 from .flags import parse_args
@@ -25,5 +24,3 @@ __all__ = [
     "run",
 ]
 __version__ = "0.2.0"
-
-faults.keep_early_preemption()  # a launched worker keeps a preemption notice that arrives during set-up

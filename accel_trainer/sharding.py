@@ -95,6 +95,20 @@ def launch_problems(launch_args, config=None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------- the plugin
+def plugin_for(args):
+    """The run's sharding from its arguments and the launcher's environment: the FSDP plugin for Accelerator(), or
+    None without FSDP. DeepSpeed, a flag that needs FSDP without it and one FSDP cannot run with are refused."""
+    refuse_deepspeed()
+    plugin = fsdp_plugin(args.mixed_precision, args.fsdp_reduce_dtype)
+    if plugin is None and args.fsdp_reduce_dtype is not None:
+        raise ShardingError(
+            "--fsdp_reduce_dtype applies to FSDP only, and this run is not launched with FSDP: launch with an FSDP "
+            "config (`accel-trainer config --fsdp`), or drop the flag."
+        )
+    refuse_ema(args.ema_decay, sharded=plugin is not None)
+    return plugin
+
+
 def fsdp_requested() -> bool:
     """The launcher's environment asks for FSDP (`accelerate launch` with an FSDP config or --use_fsdp)."""
     return _flag("ACCELERATE_USE_FSDP")

@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import cpu_allocator, evaluation, faults, loaders, precision, sharding
-from .accel import build_accelerator, inductor_on_cpu
+from . import evaluation, faults, loaders, precision, sharding
+from .accel import configure_process
 from .args import TrainingArguments
 from .errors import UserError
 from .events import Events
@@ -81,10 +81,10 @@ class Trainer:
     ):
         self.recipe, self.args, self.recipe_args, self.given = trainer_arguments(recipe, args, recipe_args)
         args = self.args
-        self.accelerator = acc = build_accelerator(args)
-        self._check_world()
-        self.cpu_allocator = cpu_allocator.keep_freed_memory(acc.device.type)  # ~6% per step on a CPU: why there
-        self.inductor = inductor_on_cpu(acc)  # before prepare() compiles: a heap corruption on CPUs (why there)
+        # Everything the run changes in the whole process happens in accel.configure_process, recorded in
+        # run_config.json ("process"); the world is known from here on.
+        self.accelerator, self.process = configure_process(args)
+        acc = self.accelerator
         # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
         self.base_learning_rate, args.learning_rate = args.learning_rate, args.scaled_learning_rate(acc.num_processes)
         resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
@@ -160,13 +160,6 @@ class Trainer:
         return self.progress.epoch
 
     # ---------------------------------------------------------------------------------------------------- set-up
-    def _check_world(self):
-        # The world this process joined must be the one the launcher/config describe (world.py): it catches
-        # every process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
-        from .world import check_world
-
-        check_world(self.accelerator)
-
     def _prepare_output_dir(self) -> str | None:
         """The checkpoint to resume from (None: a new run), once every rank has checked output_dir; then it exists."""
         resume_path = self._check_output_dir()
@@ -342,8 +335,7 @@ class Trainer:
                 "topology": topology(self.accelerator),
                 # the DDP comm hook in place, as registered by Accelerate; None: no DDP model
                 "ddp_comm_hook": registered_comm_hook(self.updater.ddp),
-                "cpu_allocator": self.cpu_allocator,  # glibc thresholds fixed for a CPU run (cpu_allocator.py)
-                "inductor": self.inductor,  # inductor settings changed for --torch_compile on a CPU (accel.py)
+                "process": self.process,  # what the run changed in the whole process (accel.configure_process)
                 "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
                 # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
                 "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer, self.sharding_info),
