@@ -13,14 +13,17 @@ import torch
 from .args import TrainingArguments
 
 
-def default_optimizer(model, args: TrainingArguments, device: torch.device | None = None):
+def default_optimizer(
+    model, args: TrainingArguments, device: torch.device | None = None, learning_rate: float | None = None
+):
+    """AdamW at `learning_rate` (the Trainer passes ctx.learning_rate, after --lr_scaling), else --learning_rate."""
     # No weight decay on biases and normalisation weights (1-d tensors), as transformers does.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
-        lr=args.learning_rate,
+        lr=args.learning_rate if learning_rate is None else learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         fused=fused_adamw_supported(decay + no_decay, device or next(model.parameters()).device),

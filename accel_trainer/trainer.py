@@ -85,14 +85,15 @@ class Trainer:
         # run_config.json ("process"); the world is known from here on.
         self.accelerator, self.process = configure_process(args)
         acc = self.accelerator
-        # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
-        self.base_learning_rate, args.learning_rate = args.learning_rate, args.scaled_learning_rate(acc.num_processes)
         resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         self.events = Events()
         for event, handler in self.recipe.events.items():
             self.events.on(event, handler)
         self.ctx = self._context()
+        # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
+        # arguments keep the user's --learning_rate.
+        self.learning_rate = self.ctx.learning_rate
 
         # Model and data: the recipe's. Loaders first: the number of batches per epoch on this rank (after
         # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
@@ -272,7 +273,7 @@ class Trainer:
         optimizer = (
             r.build_optimizer(model, self.ctx)
             if r.build_optimizer
-            else default_optimizer(model, args, self.accelerator.device)
+            else default_optimizer(model, args, self.accelerator.device, self.learning_rate)
         )
         scheduler = (
             r.build_scheduler(optimizer, self.ctx)
@@ -325,8 +326,8 @@ class Trainer:
                 "total_steps": self.total_steps,
                 "updates_per_epoch": self.updates_per_epoch,
                 "learning_rate": {
-                    "used": self.args.learning_rate,
-                    "base": self.base_learning_rate,
+                    "used": self.learning_rate,
+                    "base": self.args.learning_rate,
                     "scaling": self.args.lr_scaling,
                     "base_batch_size": self.args.lr_base_batch_size,
                 },

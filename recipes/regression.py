@@ -149,7 +149,7 @@ def build_optimizer(model, ctx):
     # Plain AdamW over every parameter: the Trainer's default also exempts biases from weight decay.
     t = ctx.targs
     return torch.optim.AdamW(
-        model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+        model.parameters(), lr=ctx.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
         weight_decay=t.weight_decay,
     )  # fmt: skip
 
