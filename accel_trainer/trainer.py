@@ -1,7 +1,8 @@
 """The Trainer: one object over `accelerate.Accelerator` that owns the loop. Read it top to bottom:
 
-    __init__   resolve the arguments, build the Accelerator, the recipe's model, loaders (loaders.py), optimizer and
-               scheduler, prepare; resume (checkpoint.resume) when a checkpoint is named
+    __init__   take the resolved arguments (resolve.py), configure the process and build the Accelerator
+               (accel.configure_process), then the recipe's model, loaders (loaders.py), optimizer and scheduler
+               (optim.py by default), prepare; resume (checkpoint.resume) when a checkpoint is named
     fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
     update     one optimizer update (update.py: item-weighted accumulation, clip, step, schedule, EMA); the step count
     evaluate   evaluation.py: every eval sample once on any world size, the metrics, the best model kept; the
