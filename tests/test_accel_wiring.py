@@ -144,9 +144,10 @@ def test_importing_changes_nothing_and_a_run_records_what_it_changed_in_the_proc
         f"accel_trainer.run({f'{RECIPES}/regression.py'!r})\n"
         "print('after set-up:', signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env(ACCEL_TRAINER_LAUNCHED="1"), timeout=300
-    )
+    child = env(ACCEL_TRAINER_LAUNCHED="1")
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):  # set by earlier tests here
+        child.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after import: True" in proc.stdout and "after set-up: False" in proc.stdout, proc.stdout
     with open(tmp_path / "o" / "run_config.json") as f:
