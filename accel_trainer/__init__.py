@@ -1,10 +1,12 @@
 """accel-trainer: a thin training loop on Hugging Face Accelerate. See README.md and docs/architecture.md."""
 
-from .args import TrainingArguments, parse_args, resolve_args
+from .args import TrainingArguments
 from .errors import UserError
+from .flags import parse_args
 from .kit.metrics import load_metric
 from .notebook import notebook_launcher
 from .recipe import Recipe, RecipeContext, load_recipe
+from .resolve import resolve_args
 from .run import run
 from .trainer import Trainer
 

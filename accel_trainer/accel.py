@@ -1,4 +1,5 @@
-"""Build the `accelerate.Accelerator` for a run: every knob goes through Accelerate's own kwargs handlers."""
+"""Build the `accelerate.Accelerator` for a run (every knob goes through Accelerate's own kwargs handlers), and
+`configure_process`: the one function that changes the whole process for a run, and records what it changed."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
-from . import precision, sharding
+from . import cpu_allocator, faults, precision, sharding
 from .args import TrainingArguments, tracker_problem
 from .errors import UserError
-from .world import launched_world_size
+from .world import check_world, launched_world_size
 
 # What NCCL's watchdog does when a collective fails or times out (--ddp_timeout). torch's default, 3 (SkipCleanUp),
 # ends the process from the watchdog thread: the main thread never sees an exception, so the Trainer cannot name
@@ -30,6 +31,36 @@ from .world import launched_world_size
 # main thread as an exception at its next use of the group, and the Trainer names the rank on its gloo side group,
 # then exits 1. Read when the NCCL process group is created. Not yet run on a GPU (docs/fault-tolerance.md).
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def configure_process(args: TrainingArguments) -> tuple[Accelerator, dict]:
+    """Everything a run changes beyond its own objects, in one place and in this order; returns the Accelerator and
+    what was set, for run_config.json ("process"; docs/architecture.md lists them):
+
+    - under `accel-trainer launch`, a SIGUSR1 handler that keeps a preemption notice arriving during set-up
+      (faults.keep_early_preemption);
+    - Accelerate's process-wide singletons reset (AcceleratorState, GradientState), NCCL's error handling
+      (NCCL_ERROR_HANDLING), the process group, and under FSDP on a CPU the FSDP type in PartialState's shared
+      state (sharding.activate_fsdp): build_accelerator;
+    - inductor's CPU weight prepacking off for a compiled CPU run (inductor_on_cpu);
+    - the world checked against the launcher's (world.check_world);
+    - glibc malloc's thresholds for a CPU run (cpu_allocator.keep_freed_memory)."""
+    preemption_notice = faults.keep_early_preemption()
+    nccl_chosen = bool(os.environ.get(NCCL_ERROR_HANDLING[0]) or os.environ.get("NCCL_ASYNC_ERROR_HANDLING"))
+    accelerator = build_accelerator(args)
+    sharded_on_cpu = accelerator.distributed_type == DistributedType.FSDP and accelerator.device.type == "cpu"
+    process = {
+        "sigusr1_kept_during_setup": preemption_notice,
+        "accelerate_state_reset": ["AcceleratorState", "GradientState"],
+        "environ": {} if nccl_chosen else dict([NCCL_ERROR_HANDLING]),
+        "fsdp_in_partial_state": sharded_on_cpu,  # sharding.activate_fsdp
+        "inductor": inductor_on_cpu(accelerator),  # before prepare() compiles: a heap corruption on CPUs
+    }
+    # The world this process joined must be the one the launcher/config describe (world.py): it catches every
+    # process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
+    check_world(accelerator)
+    process["cpu_allocator"] = cpu_allocator.keep_freed_memory(accelerator.device.type)  # ~6% per step on a CPU
+    return accelerator, process
 
 
 def inductor_on_cpu(accelerator) -> dict | None:
@@ -96,21 +127,14 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
             "and an fp8 backend (transformer-engine, torchao or MS-AMP); use bf16 here."
         )
 
+    handlers = _kwargs_handlers(args)
     # Sharding: DeepSpeed is refused, FSDP (the launcher's FSDP config or --use_fsdp) runs Accelerate's FSDP2 path,
     # on CPU too (sharding.activate_fsdp); a request for FSDP that would not shard is an error, never DDP.
-    sharding.refuse_deepspeed()
-    plugin = sharding.fsdp_plugin(args.mixed_precision, args.fsdp_reduce_dtype)
-    if plugin is None and args.fsdp_reduce_dtype is not None:
-        raise UserError(
-            "--fsdp_reduce_dtype applies to FSDP only, and this run is not launched with FSDP: launch with an FSDP "
-            "config (`accel-trainer config --fsdp`), or drop the flag."
-        )
-    sharding.refuse_ema(args.ema_decay, sharded=plugin is not None)
-    handlers = _kwargs_handlers(args)
+    plugin = sharding.plugin_for(args)
 
     # Accelerate keeps its state in process-wide singletons: a second Trainer in the same notebook or test
     # process would silently inherit the first one's precision and compile settings. Start each from clean
-    # (the process group, in PartialState, stays).
+    # (the process group, in PartialState, stays). A private: Accelerate has no public way to start its state anew.
     AcceleratorState._reset_state()
     GradientState._reset_state()
     nccl_error_handling()  # before the process group exists (Accelerator creates it)

@@ -12,7 +12,7 @@ peak) instead of going back to the OS while it trains.
 
 Not done where the user chose an allocator or its settings (LD_PRELOAD of jemalloc/tcmalloc/mimalloc, MALLOC_*_
 variables, GLIBC_TUNABLES), off glibc, for a GPU run (its tensors are not in malloc), or with
-ACCEL_TRAINER_CPU_MALLOC=0. What was done is recorded in run_config.json ("cpu_allocator").
+ACCEL_TRAINER_CPU_MALLOC=0. What was done is recorded in run_config.json ("process": "cpu_allocator"), by accel.configure_process.
 """
 
 from __future__ import annotations

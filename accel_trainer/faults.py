@@ -111,17 +111,20 @@ def _early_notice(signum, frame):
 
 
 def keep_early_preemption():
-    """In a worker of `accel-trainer launch`, from the start of Trainer() on: a SIGUSR1 during set-up (tokenising,
-    loading) is kept for fit(), which checkpoints at its first update boundary and exits EXIT_PREEMPTED, instead
-    of being dropped (ignored until fit() installs its handler). Elsewhere nothing changes. Called by the Trainer,
-    not at import: importing the package changes no process-wide setting."""
+    """In a worker of `accel-trainer launch`, from the start of set-up (accel.configure_process) on: a SIGUSR1
+    during set-up (tokenising, loading) is kept for fit(), which checkpoints at its first update boundary and exits
+    EXIT_PREEMPTED, instead of being dropped (ignored until fit() installs its handler). Elsewhere nothing changes.
+    Called by accel.configure_process, not at import: importing the package changes no process-wide setting; True
+    when the handler was installed (run_config.json's "process")."""
     if os.environ.get(LAUNCHED_ENV) != "1":
-        return
+        return False
     try:
         if signal.getsignal(signal.SIGUSR1) in (signal.SIG_IGN, signal.SIG_DFL):
             signal.signal(signal.SIGUSR1, _early_notice)
-    except ValueError:  # imported outside the main thread: no handler can be installed from here
+            return True
+    except ValueError:  # set up outside the main thread: no handler can be installed from here
         pass
+    return False
 
 
 class PreemptionHandler:

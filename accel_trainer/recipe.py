@@ -53,6 +53,13 @@ class RecipeContext:
         return self.process_index == 0
 
     @property
+    def learning_rate(self) -> float:
+        """The learning rate to build the optimizer with: --learning_rate (targs.learning_rate, the user's value,
+        never rewritten) after --lr_scaling for this world's global batch. The same as targs.learning_rate without
+        --lr_scaling."""
+        return self.targs.scaled_learning_rate(self.world_size)
+
+    @property
     def global_batch_size(self) -> int:
         t = self.targs
         return t.per_device_train_batch_size * t.gradient_accumulation_steps * self.world_size

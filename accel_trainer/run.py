@@ -1,6 +1,6 @@
 """`run(recipe)`: what `python recipes/x.py`, `accelerate launch recipes/x.py` and `accel-trainer train` call.
 
-Resolves the arguments (args.resolve_args: the one resolution every entry point shares), builds the Trainer and
+Resolves the arguments (resolve.resolve_args: the one resolution every entry point shares), builds the Trainer and
 fits. A known kind of bad input (a missing recipe or data file, an occupied output folder, a bad checkpoint, a bad
 argument value) ends with one clear line on stderr and exit 1, not a traceback; anything else raises as usual.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 import errno
 import sys
 
-from .args import ArgumentError, resolve_args
+from .args import ArgumentError
 from .errors import UserError
+from .resolve import resolve_args
 
 # Errors whose message already says what is wrong and what to do: no traceback needed.
 USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, FileExistsError, NotADirectoryError)
@@ -19,7 +20,8 @@ USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, FileExistsError, Not
 
 def run(recipe, argv: list[str] | None = None) -> dict:
     from .recipe import load_recipe
-    from .trainer import Trainer, output_dir_of
+    from .resolve import output_dir_of
+    from .trainer import Trainer
 
     output_dir = None  # known once the arguments are: a full disk from then on is one line
     try:

@@ -1,7 +1,8 @@
 """The Trainer: one object over `accelerate.Accelerator` that owns the loop. Read it top to bottom:
 
-    __init__   resolve the arguments, build the Accelerator, the recipe's model, loaders (loaders.py), optimizer and
-               scheduler, prepare; resume (checkpoint.resume) when a checkpoint is named
+    __init__   take the resolved arguments (resolve.py), configure the process and build the Accelerator
+               (accel.configure_process), then the recipe's model, loaders (loaders.py), optimizer and scheduler
+               (optim.py by default), prepare; resume (checkpoint.resume) when a checkpoint is named
     fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
     update     one optimizer update (update.py: item-weighted accumulation, clip, step, schedule, EMA); the step count
     evaluate   evaluation.py: every eval sample once on any world size, the metrics, the best model kept; the
@@ -16,8 +17,6 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import math
 import os
 import shutil
@@ -34,12 +33,19 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import cpu_allocator, evaluation, faults, loaders, precision, sharding
-from .accel import build_accelerator, inductor_on_cpu
-from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
+from . import evaluation, faults, loaders, precision, sharding
+from .accel import configure_process
+from .args import TrainingArguments
 from .errors import UserError
 from .events import Events
-from .recipe import Recipe, RecipeContext, load_recipe
+from .optim import default_optimizer, default_scheduler
+from .recipe import RecipeContext, load_recipe
+from .resolve import (
+    ResolvedArgs,
+    output_dir_of,  # noqa: F401 - its old home: callers may still import it from here
+    resolve_args,
+    trainer_arguments,
+)
 from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops, host_floats
 from .update import Updater, is_plain_torch, registered_comm_hook
@@ -70,87 +76,25 @@ class Progress:
     best_step: int | None = None
 
 
-def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:
-    """--output_dir, or output/<recipe name> when it is not given."""
-    return args.output_dir if args.output_dir is not None else os.path.join("output", recipe.name)
-
-
-def default_optimizer(model, args: TrainingArguments, device: torch.device | None = None):
-    # No weight decay on biases and normalisation weights (1-d tensors), as transformers does.
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=fused_adamw_supported(decay + no_decay, device or next(model.parameters()).device),
-    )
-
-
-def fused_adamw_supported(params: list, device: torch.device) -> bool:
-    """Fused AdamW (one kernel for all tensors) where torch has it for the training device and these dtypes, as
-    transformers' Trainer defaults to: on one CPU thread it steps bench/text.py's GPT-2 in 0.72 ms instead of the
-    per-tensor loop's 2.92 ms (torch picks that loop by default on a CPU, and foreach on a GPU). Decided by the
-    training device, not by where the parameters are now: under FSDP's low-memory loading they are on the meta
-    device on every rank but 0, and every rank must build the same optimizer."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    supported = torch.device(device).type in _get_fused_kernels_supported_devices()
-    return supported and all(p.is_floating_point() for p in params)  # not complex ones
-
-
-def _linear_with_warmup(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
-    if step < num_warmup_steps:
-        return step / max(1, num_warmup_steps)
-    return max(0.0, (num_training_steps - step) / max(1, num_training_steps - num_warmup_steps))
-
-
-def _constant(_step: int) -> float:
-    return 1.0
-
-
-def default_scheduler(optimizer, num_training_steps: int, args: TrainingArguments):
-    """--lr_scheduler_type with warm-up, as `transformers.get_scheduler` builds it. The default ("linear") and
-    "constant" are built here with the same formulas and the same LambdaLR (a partial, so the state_dict is the
-    same and a checkpoint of either loads into the other; tests/test_args_parser.py compares them step by step),
-    because `import transformers` costs ~0.7 s of start-up (bench/startup.py). Other names: transformers."""
-    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * num_training_steps)
-    if args.lr_scheduler_type == "linear":
-        lr_lambda = functools.partial(
-            _linear_with_warmup, num_warmup_steps=warmup, num_training_steps=num_training_steps
-        )
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    if args.lr_scheduler_type == "constant":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
-    from transformers import get_scheduler
-
-    return get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=num_training_steps
-    )
-
-
 class Trainer:
     def __init__(
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
-        faults.keep_early_preemption()  # under `accel-trainer launch`: a SIGUSR1 during set-up is kept for fit()
-        self.recipe: Recipe = load_recipe(recipe)
-        self.args, self.recipe_args, self.given = self._own_arguments(args, recipe_args)
+        self.recipe, self.args, self.recipe_args, self.given = trainer_arguments(recipe, args, recipe_args)
         args = self.args
-        self.accelerator = acc = build_accelerator(args)
-        self._check_world()
-        self.cpu_allocator = cpu_allocator.keep_freed_memory(acc.device.type)  # ~6% per step on a CPU: why there
-        self.inductor = inductor_on_cpu(acc)  # before prepare() compiles: a heap corruption on CPUs (why there)
-        # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
-        self.base_learning_rate, args.learning_rate = args.learning_rate, args.scaled_learning_rate(acc.num_processes)
+        # Everything the run changes in the whole process happens in accel.configure_process, recorded in
+        # run_config.json ("process"); the world is known from here on.
+        self.accelerator, self.process = configure_process(args)
+        acc = self.accelerator
         resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         self.events = Events()
         for event, handler in self.recipe.events.items():
             self.events.on(event, handler)
         self.ctx = self._context()
+        # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
+        # arguments keep the user's --learning_rate.
+        self.learning_rate = self.ctx.learning_rate
 
         # Model and data: the recipe's. Loaders first: the number of batches per epoch on this rank (after
         # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
@@ -218,25 +162,6 @@ class Trainer:
         return self.progress.epoch
 
     # ---------------------------------------------------------------------------------------------------- set-up
-    def _check_world(self):
-        # The world this process joined must be the one the launcher/config describe (world.py): it catches
-        # every process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
-        from .world import check_world
-
-        check_world(self.accelerator)
-
-    def _own_arguments(self, args, recipe_args):
-        """(training arguments, recipe arguments, the fields the user set), the training arguments a copy of the
-        caller's: they are not changed (the output folder default, the scaled learning rate), so they can build
-        another Trainer. resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe
-        Args) is resolved like the same flags on the command line."""
-        resolved = (
-            args if isinstance(args, ResolvedArgs) else resolve_args(self.recipe, values=user_values(args, recipe_args))
-        )
-        targs = dataclasses.replace(resolved.targs)
-        targs.output_dir = output_dir_of(targs, self.recipe)
-        return targs, resolved.rargs, resolved.given
-
     def _prepare_output_dir(self) -> str | None:
         """The checkpoint to resume from (None: a new run), once every rank has checked output_dir; then it exists."""
         resume_path = self._check_output_dir()
@@ -349,7 +274,7 @@ class Trainer:
         optimizer = (
             r.build_optimizer(model, self.ctx)
             if r.build_optimizer
-            else default_optimizer(model, args, self.accelerator.device)
+            else default_optimizer(model, args, self.accelerator.device, self.learning_rate)
         )
         scheduler = (
             r.build_scheduler(optimizer, self.ctx)
@@ -402,8 +327,8 @@ class Trainer:
                 "total_steps": self.total_steps,
                 "updates_per_epoch": self.updates_per_epoch,
                 "learning_rate": {
-                    "used": self.args.learning_rate,
-                    "base": self.base_learning_rate,
+                    "used": self.learning_rate,
+                    "base": self.args.learning_rate,
                     "scaling": self.args.lr_scaling,
                     "base_batch_size": self.args.lr_base_batch_size,
                 },
@@ -412,8 +337,7 @@ class Trainer:
                 "topology": topology(self.accelerator),
                 # the DDP comm hook in place, as registered by Accelerate; None: no DDP model
                 "ddp_comm_hook": registered_comm_hook(self.updater.ddp),
-                "cpu_allocator": self.cpu_allocator,  # glibc thresholds fixed for a CPU run (cpu_allocator.py)
-                "inductor": self.inductor,  # inductor settings changed for --torch_compile on a CPU (accel.py)
+                "process": self.process,  # what the run changed in the whole process (accel.configure_process)
                 "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
                 # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
                 "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer, self.sharding_info),

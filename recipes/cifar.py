@@ -493,7 +493,7 @@ def build_optimizer(model, ctx):
     args, targs = ctx.args, ctx.targs
     B = ctx.global_batch_size
     scale = 1024 * (1 + 1 / (1 - args.momentum))
-    lr = targs.learning_rate * B / scale
+    lr = ctx.learning_rate * B / scale  # --learning_rate, after --lr_scaling if asked
     wd = targs.weight_decay * B / scale
     net = _cifarnet(model)
     norm_biases = [m.bias for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

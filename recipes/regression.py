@@ -149,7 +149,7 @@ def build_optimizer(model, ctx):
     # Plain AdamW over every parameter: the Trainer's default also exempts biases from weight decay.
     t = ctx.targs
     return torch.optim.AdamW(
-        model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+        model.parameters(), lr=ctx.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
         weight_decay=t.weight_decay,
     )  # fmt: skip
 
@@ -158,7 +158,7 @@ def build_scheduler(optimizer, ctx):
     # The Trainer's own default (--lr_scheduler_type, --warmup_steps/ratio), called here to show where a recipe builds
     # its own schedule (e.g. torch.optim.lr_scheduler.OneCycleLR). ctx.num_training_steps: the optimizer updates of
     # the whole run, known once the data is built.
-    from accel_trainer.trainer import default_scheduler
+    from accel_trainer.optim import default_scheduler
 
     return default_scheduler(optimizer, ctx.num_training_steps, ctx.targs)
 

@@ -151,3 +151,36 @@ def test_compiling_on_a_cpu_turns_inductor_weight_prepacking_off_unless_the_user
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
     plain = TrainingArguments(output_dir=str(tmp_path), use_cpu=True)
     assert inductor_on_cpu(build_accelerator(plain)) == {"cpp.weight_prepack": False}
+
+
+def test_importing_changes_nothing_and_a_run_records_what_it_changed_in_the_process(tmp_path):
+    """A launched worker's SIGUSR1 handler is installed by the run's set-up (accel.configure_process), not by
+    `import accel_trainer`; run_config.json's "process" lists every process-wide change the run made."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import RECIPES, env
+
+    code = (
+        "import signal, sys, json\n"
+        "import accel_trainer\n"
+        "print('after import:', signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)\n"
+        f"sys.argv = ['regression', '--output_dir', {str(tmp_path / 'o')!r}, '--max_steps', '1', '--save_steps', '0',"
+        " '--disable_tqdm']\n"
+        f"accel_trainer.run({f'{RECIPES}/regression.py'!r})\n"
+        "print('after set-up:', signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)\n"
+    )
+    child = env(ACCEL_TRAINER_LAUNCHED="1")
+    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):  # set by earlier tests here
+        child.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after import: True" in proc.stdout and "after set-up: False" in proc.stdout, proc.stdout
+    with open(tmp_path / "o" / "run_config.json") as f:
+        process = json.load(f)["process"]
+    assert process["sigusr1_kept_during_setup"] is True
+    assert process["accelerate_state_reset"] == ["AcceleratorState", "GradientState"]
+    assert process["environ"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert process["fsdp_in_partial_state"] is False and process["inductor"] is None
+    assert process["cpu_allocator"]["tuned"] is True

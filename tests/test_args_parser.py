@@ -15,8 +15,9 @@ import torch
 from helpers import ROOT, env
 from transformers import HfArgumentParser, SchedulerType, get_scheduler
 
-from accel_trainer.args import COMMON_SCHEDULERS, TrainingArguments, _build_parser, parse_args
-from accel_trainer.trainer import default_scheduler
+from accel_trainer.args import COMMON_SCHEDULERS, TrainingArguments
+from accel_trainer.flags import _build_parser, parse_args
+from accel_trainer.optim import default_scheduler
 
 
 class Colour(enum.Enum):

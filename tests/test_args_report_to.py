@@ -6,7 +6,8 @@ The Trainer reads `.trackers` (Accelerate's `log_with`): None for no tracker, "a
 
 import pytest
 
-from accel_trainer.args import ArgumentError, TrainingArguments, parse_args
+from accel_trainer.args import ArgumentError, TrainingArguments
+from accel_trainer.flags import parse_args
 
 
 @pytest.mark.parametrize(

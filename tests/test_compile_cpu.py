@@ -45,7 +45,7 @@ def train(out, mode):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
     with open(os.path.join(out, "run_config.json")) as f:
-        return losses, json.load(f)["inductor"]
+        return losses, json.load(f)["process"]["inductor"]
 
 
 def test_compiled_cifarnet_trains_on_a_cpu_like_eager(tmp_path):

@@ -31,7 +31,7 @@ t.fit()
 tensors = [torch.ones(6 * 2**20) for _ in range(10)]  # 10 x 24 MiB, written
 before = rss_mb()
 del tensors
-print("RESULT", json.dumps({{"returned_mb": before - rss_mb(), "cpu_allocator": t.cpu_allocator}}))
+print("RESULT", json.dumps({{"returned_mb": before - rss_mb(), "cpu_allocator": t.process["cpu_allocator"]}}))
 """
 
 
@@ -43,7 +43,7 @@ def run(tmp_path, **extra_env):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.split("RESULT ", 1)[1])
     with open(tmp_path / "run" / "run_config.json") as f:
-        assert json.load(f)["cpu_allocator"] == result["cpu_allocator"]
+        assert json.load(f)["process"]["cpu_allocator"] == result["cpu_allocator"]
     return result
 
 

@@ -53,7 +53,7 @@ def test_lr_scaling_by_the_global_batch_composes_with_warmup(launched, nproc):
     d, _ = launched[nproc]
     lr = run_config(d)["learning_rate"]
     assert lr == {"used": 1e-2 * nproc, "base": 1e-2, "scaling": "linear", "base_batch_size": 16}
-    assert run_config(d)["args"]["learning_rate"] == 1e-2 * nproc
+    assert run_config(d)["args"]["learning_rate"] == 1e-2  # the user's value; the scaled one is its own
     rows = {m["step"]: m["learning_rate"] for m in metrics(d) if "loss" in m}
     # warmup over 4 updates to the scaled value, then constant
     assert rows[2] == pytest.approx(1e-2 * nproc * 2 / 4) and rows[6] == rows[8] == pytest.approx(1e-2 * nproc)
@@ -62,7 +62,8 @@ def test_lr_scaling_by_the_global_batch_composes_with_warmup(launched, nproc):
 def test_sqrt_lr_scaling(tmp_path):
     t = Trainer.from_recipe(regression, output_dir=str(tmp_path), lr_scaling="sqrt", lr_base_batch_size=4,
                             per_device_train_batch_size=16, gradient_accumulation_steps=2, quiet=True)  # fmt: skip
-    assert t.args.learning_rate == pytest.approx(1e-2 * math.sqrt(32 / 4))
+    assert t.learning_rate == t.ctx.learning_rate == pytest.approx(1e-2 * math.sqrt(32 / 4))
+    assert t.args.learning_rate == 1e-2  # the user's, not rewritten
     assert t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * math.sqrt(32 / 4))
 
 

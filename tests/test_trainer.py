@@ -158,12 +158,12 @@ def test_the_callers_arguments_are_not_changed_and_a_second_trainer_scales_from_
     resolved = resolve_args(regression, values=values)
     first, second = Trainer(regression, resolved), Trainer(regression, resolved)
     assert resolved.targs.learning_rate == 0.01  # the resolved arguments keep the base value
-    assert first.args.learning_rate == second.args.learning_rate == 0.01 * 16 / 4  # each scales from the base
-    assert first.base_learning_rate == 0.01 and first.args is not resolved.targs
+    assert first.learning_rate == second.learning_rate == 0.01 * 16 / 4  # each scales from the base
+    assert first.args.learning_rate == 0.01 and first.args is not resolved.targs  # the user's value, kept
 
 
 def test_the_default_adamw_is_fused_where_torch_has_it_steps_like_the_loop_and_skips_fp16_overflows(tmp_path):
-    from accel_trainer.trainer import default_optimizer
+    from accel_trainer.optim import default_optimizer
 
     def model():
         torch.manual_seed(0)

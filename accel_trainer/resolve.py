@@ -1,0 +1,103 @@
+"""THE argument resolution of a run (resolve_args), shared by every entry point so they cannot drift."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import MISSING, fields, is_dataclass
+from typing import Any, NamedTuple
+
+from .args import ArgumentError, TrainingArguments
+from .flags import parse_args
+from .recipe import Recipe, RecipeContext, load_recipe
+from .world import launched_world_size
+
+
+def _field_defaults(obj) -> dict[str, Any]:
+    out = {}
+    for f in fields(obj):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def user_values(targs: TrainingArguments | None, rargs=None) -> dict[str, Any]:
+    """The values a notebook user set on argument objects they built themselves: the fields passed to
+    `TrainingArguments(...)`, and the recipe Args fields that differ from their defaults (a recipe's dataclass
+    cannot record its caller; a value equal to the default is then taken as unset)."""
+    values = {}
+    if targs is not None:
+        values.update({k: getattr(targs, k) for k in getattr(targs, "_user_fields", ())})
+    if rargs is not None and is_dataclass(rargs):
+        default = _field_defaults(rargs)
+        values.update(
+            {
+                f.name: getattr(rargs, f.name)
+                for f in fields(rargs)
+                if f.name not in default or getattr(rargs, f.name) != default[f.name]
+            }
+        )
+    return values
+
+
+class ResolvedArgs(NamedTuple):
+    """What `resolve_args` returns and `Trainer(recipe, resolved)` takes as it is: the resolved training arguments,
+    the recipe's arguments and the fields the user set. A tuple, so `targs, rargs, given = resolve_args(...)` works."""
+
+    targs: TrainingArguments
+    rargs: Any  # the recipe's Args instance, or None
+    given: frozenset
+
+
+def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] | None = None, world_size=None):
+    """THE argument resolution of a run, for every entry point (python recipes/x.py, accelerate launch,
+    accel-trainer train, Trainer.from_recipe, Trainer(recipe, TrainingArguments(...))), so they cannot drift:
+
+        our defaults  <  the recipe's `defaults`  <  its `configure` (presets)  <  what the user set
+
+    The user's values come either from a command line (`argv`, which may start with a YAML/JSON arguments file)
+    or from Python (`values`: field names of TrainingArguments or the recipe's Args). `configure` sees which fields
+    the user set (`ctx.given`) and leaves them alone. Returns ResolvedArgs(targs, recipe args or None, given).
+    A bad flag exits 2 (argparse); a bad keyword raises ArgumentError naming it.
+    """
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)  # run() passes the one it loaded
+    if values is None:
+        targs, rargs, given = parse_args(recipe.Args, argv, defaults=recipe.defaults, return_given=True)
+    else:
+        names = {"targs": {f.name for f in fields(TrainingArguments)}}
+        names["rargs"] = {f.name for f in fields(recipe.Args)} if recipe.Args is not None else set()
+        unknown = sorted(set(values) - names["targs"] - names["rargs"])
+        if unknown:
+            raise ArgumentError(
+                f"unknown argument(s) {', '.join(unknown)} for recipe {recipe.name}: pass TrainingArguments fields "
+                f"or fields of the recipe's Args (python recipes/{recipe.name}.py --help lists them)."
+            )
+        chosen = {**(recipe.defaults or {}), **values}  # the recipe's defaults, then the user's values
+        targs = TrainingArguments(**{k: v for k, v in chosen.items() if k in names["targs"]})
+        rargs = recipe.Args(**{k: v for k, v in chosen.items() if k in names["rargs"]}) if recipe.Args else None
+        given = set(values)
+    given = frozenset(given)
+    if recipe.configure:
+        world = world_size if world_size is not None else launched_world_size()
+        recipe.configure(RecipeContext(args=rargs, targs=targs, world_size=world, given=given))
+    return ResolvedArgs(targs, rargs, given)
+
+
+def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:
+    """--output_dir, or output/<recipe name> when it is not given."""
+    return args.output_dir if args.output_dir is not None else os.path.join("output", recipe.name)
+
+
+def trainer_arguments(recipe, args=None, recipe_args=None) -> tuple[Recipe, TrainingArguments, Any, frozenset]:
+    """What a Trainer runs with: the recipe (loaded, unless it is a Recipe already: run() loads it once), the
+    training arguments, the recipe's arguments and the fields the user set. The training arguments are a copy of
+    the caller's: they are not changed (the output folder default), so they can build another Trainer.
+    resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe Args) is resolved like
+    the same flags on the command line."""
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    resolved = args if isinstance(args, ResolvedArgs) else resolve_args(recipe, values=user_values(args, recipe_args))
+    targs = dataclasses.replace(resolved.targs)
+    targs.output_dir = output_dir_of(targs, recipe)
+    return recipe, targs, resolved.rargs, resolved.given
