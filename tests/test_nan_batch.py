@@ -1,0 +1,61 @@
+"""--nan_policy stop names the batch that gave the first non-finite loss (update, micro-batch, rank, sample indices)
+and saves it, so that it replays to the same non-finite loss through the recipe's loss (accel_trainer/nan_batch.py).
+
+The fault recipe's `nan_sample=I` writes NaN into training sample I's features: a bad row in the data. The run checks
+at log rows only (every 5 updates here), so the bad update is found after the fact, several updates back."""
+
+import math
+import os
+import re
+
+import fault_recipe
+import pytest
+import torch
+from helpers import flags, run
+
+from accel_trainer import Trainer, TrainingArguments
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_recipe.py")
+B, ACCUM, SEED, POSITION = 8, 2, 7, 37  # the bad sample is the 38th of epoch 0's order: batch 4, update 3
+
+
+def _bad_sample(nproc: int) -> tuple[int, int, int, int]:
+    """(sample index, update, micro-batch, rank) of the order's POSITION-th sample: the order is torch.randperm
+    seeded with seed + epoch (loaders.train_sampler), and Accelerate hands rank r the batches r, r + W, ..."""
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(SEED)).tolist()
+    batch = POSITION // B
+    rank, local = batch % nproc, batch // nproc
+    return order[POSITION], local // ACCUM + 1, local % ACCUM + 1, rank
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_nan_stop_names_the_bad_sample_and_its_saved_batch_replays_to_nan(tmp_path, nproc):
+    sample, update, micro, rank = _bad_sample(nproc)
+    out = tmp_path / "run"
+    args = ["--output_dir", out, "--faults", f"nan_sample={sample}", "--seed", SEED, "--data_seed", 3]
+    args += flags(max_steps=12, save_steps=0, logging_steps=5, per_device_train_batch_size=B, disable_tqdm=True)
+    args += ["--gradient_accumulation_steps", ACCUM]
+    r = run(SCRIPT, args, nproc=nproc, check=False, timeout=180)
+    log = r.stdout + r.stderr
+    lines = [x for x in log.splitlines() if x.startswith(f"error: Loss is nan at step {update}; ")]
+    # One line from each rank; on 2 processes torchrun adds its own ChildFailedError traceback, none of ours.
+    assert r.returncode != 0 and len(lines) == nproc and "accel_trainer" not in log.replace(str(out), ""), log
+    line = lines[0]
+    saved = out / f"nan_batch_rank{rank}.pt"
+    named = re.search(
+        rf"update {update}, rank {rank}, micro-batch {micro} of {ACCUM} \(batch \d+ of epoch 0, sample indices "
+        rf"\[([0-9, ]+)\]\); saved to {re.escape(str(saved))}\. Replay it",
+        line,
+    )
+    assert named, line
+    indices = [int(i) for i in named.group(1).split(",")]
+    assert sample in indices and len(indices) == B, line
+    assert sorted(f for f in os.listdir(out) if f.startswith("nan_batch")) == [saved.name]  # the bad rank's only
+
+    # The notebook replay (docs/fault-tolerance.md, "When it fails"): load the file, call the recipe's loss on it.
+    batch = torch.load(saved, weights_only=True)
+    assert batch["x"].shape[0] == B and torch.isnan(batch["x"]).any(dim=1).sum() == 1
+    targs = TrainingArguments(output_dir=str(tmp_path / "replay"), max_steps=1, disable_tqdm=True)
+    trainer = Trainer(fault_recipe, targs, fault_recipe.Args(), quiet=True)
+    loss, _ = trainer.recipe.loss(trainer.model, batch)
+    assert math.isnan(float(loss.detach()))
