@@ -7,13 +7,17 @@ at log rows only (every 5 updates here), so the bad update is found after the fa
 import math
 import os
 import re
+import types
 
+import datasets
 import fault_recipe
 import pytest
+import regression
 import torch
 from helpers import flags, run
 
 from accel_trainer import Trainer, TrainingArguments
+from accel_trainer.trainer import NonFiniteLossError
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_recipe.py")
 B, ACCUM, SEED, POSITION = 8, 2, 7, 37  # the bad sample is the 38th of epoch 0's order: batch 4, update 3
@@ -59,3 +63,30 @@ def test_nan_stop_names_the_bad_sample_and_its_saved_batch_replays_to_nan(tmp_pa
     trainer = Trainer(fault_recipe, targs, fault_recipe.Args(), quiet=True)
     loss, _ = trainer.recipe.loss(trainer.model, batch)
     assert math.isnan(float(loss.detach()))
+
+
+def test_nan_stop_in_a_stream_names_its_position_and_saves_the_batch(tmp_path):
+    # A stream cannot be read again: the log row's micro-batches stay referenced; the line names the stream position.
+    bad, b = 45, 4  # micro-batch 11 (0-based) of the stream's first epoch: update 6, micro-batch 2 of 2
+
+    def build_data(ctx):
+        tensors = regression.build_data(ctx)["train"].tensors
+        tensors["x"][bad] = float("nan")
+        rows = {"id": list(range(len(tensors["x"])))} | {k: v.tolist() for k, v in tensors.items()}
+        return {"train": datasets.Dataset.from_dict(rows).to_iterable_dataset(), "collate": regression.collate}
+
+    rec = types.SimpleNamespace(**{k: getattr(regression, k) for k in ("Args", "build_model", "loss", "defaults")})
+    rec.build_data, rec.name = build_data, "regression_stream_nan"
+    targs = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=12, save_steps=0, logging_steps=10,
+        per_device_train_batch_size=b, gradient_accumulation_steps=2, disable_tqdm=True,
+    )  # fmt: skip
+    with pytest.raises(NonFiniteLossError) as e:
+        Trainer(rec, targs, regression.Args(), quiet=True).fit()
+    saved = tmp_path / "run" / "nan_batch_rank0.pt"
+    expected = f"update 6, rank 0, micro-batch 2 of 2 (stream position 11 of epoch 0 on this rank); saved to {saved}."
+    assert "Loss is nan at step 6; " in str(e.value) and expected in str(e.value), e.value
+    batch = torch.load(saved, weights_only=True)
+    assert bad in batch["id"].tolist()
+    model = regression.build_model(types.SimpleNamespace(args=regression.Args()))
+    assert math.isnan(float(regression.loss(model, batch)[0].detach()))
