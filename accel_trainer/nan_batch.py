@@ -38,14 +38,19 @@ class Tracker:
         self._next = None  # (epoch, position) where the next window starts: where the last one ended
 
     def record(self, micro_losses: list, window: list, progress, per_epoch: int | None):
-        n = len(window)
+        n, end = len(window), (progress.epoch, progress.batch_in_epoch)
+        if end == self._next or end == (0, 0):
+            # The position did not move: a batch of the notebook's train_step()/overfit_batch(), not of the run's
+            # order. Its position is unknown; the batch itself is kept (one update's worth, until the next row).
+            self.updates.append((micro_losses, None, list(window)))
+            return
         if self._next is not None:
             start = self._next
         elif progress.batch_in_epoch >= n or progress.epoch == 0 or not per_epoch:  # the run's (or resume's) first
             start = (progress.epoch, max(progress.batch_in_epoch - n, 0))
         else:  # the first window handed out ended an epoch
             start = (progress.epoch - 1, per_epoch - n)
-        self._next = (progress.epoch, progress.batch_in_epoch)
+        self._next = end
         self.updates.append((micro_losses, start, list(window) if self.keep_batches else None))
 
     def clear(self):
@@ -79,10 +84,14 @@ def _everyone(accelerator, value) -> list:
 
 
 def _save(tracker, first, step, rank, js, loader, stream, accelerator, output_dir) -> str:
-    micro_losses, (epoch, start), kept = tracker.updates[first]
+    micro_losses, at, kept = tracker.updates[first]
     batches, where = [], []
     for j in js:
-        position = start + j
+        if at is None:  # a batch given to train_step(): no position in the run's order
+            batches.append(kept[j])
+            where.append(f"micro-batch {j + 1} of {len(micro_losses)} (a batch given to train_step())")
+            continue
+        epoch, position = at[0], at[1] + j
         batches.append(kept[j] if kept is not None else _read_again(loader, epoch, position, accelerator, stream))
         indices = None if stream else _sample_indices(loader, epoch, position)
         what = f"stream position {position} of epoch {epoch} on this rank" if stream else (

@@ -90,3 +90,16 @@ def test_nan_stop_in_a_stream_names_its_position_and_saves_the_batch(tmp_path):
     assert bad in batch["id"].tolist()
     model = regression.build_model(types.SimpleNamespace(args=regression.Args()))
     assert math.isnan(float(regression.loss(model, batch)[0].detach()))
+
+
+def test_nan_stop_after_train_step_saves_the_batch_it_was_given(tmp_path):
+    # A notebook's train_step() does not move the run's position: the batch is named as given, and saved as it was.
+    targs = TrainingArguments(output_dir=str(tmp_path / "nb"), max_steps=4, disable_tqdm=True)
+    trainer = Trainer(regression, targs, regression.Args(), quiet=True)
+    trainer.train_step()
+    batch = trainer.fetch_batch()
+    batch["x"][2] = float("nan")
+    trainer.train_step(batch)
+    with pytest.raises(NonFiniteLossError, match=r"at step 2; .*update 2, rank 0, micro-batch 1 of 1 \(a batch given"):
+        trainer.log()
+    assert torch.isnan(torch.load(tmp_path / "nb" / "nan_batch_rank0.pt", weights_only=True)["x"][2]).all()
