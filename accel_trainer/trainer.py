@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import evaluation, faults, loaders, precision, sharding
+from . import evaluation, faults, loaders, nan_batch, precision, sharding
 from .accel import configure_process
 from .args import TrainingArguments
 from .errors import UserError
@@ -121,6 +121,7 @@ class Trainer:
         # The run's state, and the components that own theirs.
         self.progress = Progress(**self._kept_best)
         self._log_window: list = []  # (loss tensor, grad norm, step) per update since the last log
+        self._nan_batches = nan_batch.Tracker(keep_batches=self.streaming)  # --nan_policy stop: which batch
         self._train_iter = None  # fetch_batch()'s position
         self._saved_step = None
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
@@ -506,6 +507,8 @@ class Trainer:
             p.skipped_steps += 1
         p.global_step += 1
         self._log_window.append((done.loss, done.grad_norm if done.stepped else None, p.global_step))
+        if self.args.nan_policy == "stop":  # which batch, should this window's row see a non-finite value
+            self._nan_batches.record(self.updater.micro_losses, window, p, self.micro_batches_per_epoch)
         return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
@@ -536,6 +539,7 @@ class Trainer:
             metrics["skipped_steps"] = self.progress.skipped_steps
         metrics.update(self.meter.row())  # throughput, step time, data wait, memory (mfu): a gather on N ranks
         self._log_window = []
+        self._nan_batches.clear()
         if progress_bar is not None and not progress_bar.disable:
             # What set_postfix(loss=..., samples_s=...) shows, without its OrderedDict and number checks (~20K CPU
             # instructions a row, callgrind); no refresh of its own: the row's progress_bar.write redraws the bar.
@@ -553,9 +557,15 @@ class Trainer:
             if math.isfinite(loss) and math.isfinite(norm):
                 continue
             what = f"Loss is {loss}" if not math.isfinite(loss) else f"The gradient norm is {norm} (loss {loss:.4g})"
+            step = self._log_window[first][2]
+            where = nan_batch.describe(
+                self._nan_batches, first, step, loader=self.train_loader, stream=self.streaming,
+                accelerator=self.accelerator, output_dir=self.args.output_dir,
+            )  # fmt: skip
             raise NonFiniteLossError(
-                f"{what} at step {self._log_window[first][2]}; the run stops (no checkpoint is written over the last "
-                "good one). Lower the learning rate, check the data, or pass --nan_policy skip."
+                f"{what} at step {step}; the run stops (no checkpoint is written over the last good one). The batch: "
+                f"{where}. Replay it with the recipe's loss (docs/fault-tolerance.md, When it fails), lower the "
+                "learning rate, check the data, or pass --nan_policy skip."
             )
 
     def _epoch_float(self) -> float:

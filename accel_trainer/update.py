@@ -73,6 +73,7 @@ class Updater:
         self.ddp = ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else None
         self.reference = None  # K: the previous update's items per rank (a tensor; None: not known yet)
         self.grad_norm = None
+        self.micro_losses: list = []  # the last update's per-micro-batch losses, detached (nan_batch.py)
 
     def state(self) -> dict:
         """What a checkpoint keeps of the Updater: K (update.py's docstring), None before the first DDP update."""
@@ -111,17 +112,20 @@ class Updater:
         every rank (this rank's alone when nothing is weighted)."""
         acc = self.accelerator
         loss_sum, n_sum = None, 0
+        self.micro_losses = []
         flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
         with flops or nullcontext():
             for i, batch in enumerate(window):
                 last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
                 with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
                     loss, n = self.loss(self.model, batch)
+                    detached = loss.detach()
+                    self.micro_losses.append(detached)  # which micro-batch was not finite, read only if one was
                     if not self.weighted:  # one micro-batch on one process: its mean is the update's, as it is
                         self._backward(loss)
-                        loss_sum, n_sum = loss.detach(), n  # no kernels to weigh it (~10 us per update)
+                        loss_sum, n_sum = detached, n  # no kernels to weigh it (~10 us per update)
                         continue
-                    weighted = loss.detach() * n
+                    weighted = detached * n
                     loss_sum = weighted if loss_sum is None else loss_sum + weighted  # no `0.0 +` kernel
                     n_sum = n_sum + n
                     if last and self.ddp is not None:  # sum / K, K the same on every rank; corrected after

@@ -12,6 +12,8 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                save_fail=R:N  rank R fails writing the checkpoint of step N (PermissionError)
                                raise_at=N     every rank raises a RuntimeError after update N (a bug in a handler)
                                nan_at=N       the loss is NaN from update N on (--nan_policy stop ends the run)
+                               nan_sample=I   training sample I's features are NaN (a bad row in the data: its
+                                              batch's loss is NaN; --nan_policy stop names and saves it)
                                sigint_at=N    every rank gets SIGINT (Ctrl-C) after update N
                                hold_save=N    the background write (--save_async) of step N holds before its
                                               commit until one of the three faults above has fired, then until
@@ -81,11 +83,15 @@ def build_data(ctx):
         rank = os.environ.get("RANK", "0")
         print(f"[test fault] rank {rank} builds its data for {delay:g} s", file=sys.stderr, flush=True)
         time.sleep(delay)
-    return regression.build_data(ctx)
+    data = regression.build_data(ctx)
+    bad = _parse(ctx.args.faults).get("nan_sample")
+    if bad is not None:
+        data["train"].tensors["x"][bad[0]] = float("nan")
+    return data
 
 
 KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
-        "hold_save", "sleep_in_loss")  # fmt: skip
+        "hold_save", "sleep_in_loss", "nan_sample")  # fmt: skip
 
 
 def _faults(trainer) -> dict:
