@@ -13,6 +13,8 @@ import sys
 import pytest
 from cifar_fixtures import make_tiny_cifar
 from helpers import RECIPES, ROOT, env
+from test_token_classification import make_config as make_tokcls_config
+from test_token_classification import make_data as make_tokcls_data
 from text_fixtures import load_recipe_module, make_glue_folder, make_text_files, make_tiny_bert, make_tiny_gpt2
 
 from accel_trainer import Trainer, TrainingArguments
@@ -24,7 +26,7 @@ RECIPE_NAMES = [
 
 
 def test_every_recipe_module_is_covered():
-    assert set(RECIPE_NAMES) == {"regression", "cifar", "glue", "causal_lm"}, RECIPE_NAMES
+    assert set(RECIPE_NAMES) == {"regression", "cifar", "glue", "causal_lm", "token_classification"}, RECIPE_NAMES
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
@@ -58,6 +60,7 @@ def data(tmp_path_factory):
         "glue": make_glue_folder(str(root / "glue"), n_train=16, n_eval=8),
         "gpt2": make_tiny_gpt2(str(root / "tiny-gpt2")),
         "text": {"train": train, "valid": valid},
+        "tokcls": {"model": make_tokcls_config(str(root / "tokcls-bert")), **make_tokcls_data(str(root / "tokcls"))},
     }
 
 
@@ -74,6 +77,9 @@ def user_values(name, data) -> dict:
         "causal_lm": {"model_name_or_path": data["gpt2"], "train_file": data["text"]["train"],
                       "validation_file": data["text"]["valid"], "block_size": 16, "cache_dir": data["cache"],
                       "sample_max_new_tokens": 0},
+        "token_classification": {"config_name": data["tokcls"]["model"], "tokenizer_name": data["tokcls"]["model"],
+                                 "dataset_name": data["tokcls"]["folder"], "cache_dir": data["cache"],
+                                 "per_device_train_batch_size": 4},
     }[name]  # fmt: skip
 
 
