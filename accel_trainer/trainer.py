@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import cpu_allocator, evaluation, faults, loaders, precision, sharding
+from . import cpu_allocator, evaluation, faults, loaders, precision, preflight, sharding
 from .accel import build_accelerator, inductor_on_cpu
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
 from .errors import UserError
@@ -136,7 +136,7 @@ class Trainer:
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
         faults.keep_early_preemption()  # under `accel-trainer launch`: a SIGUSR1 during set-up is kept for fit()
-        self.recipe: Recipe = load_recipe(recipe)
+        self.recipe: Recipe = preflight.counting_items(load_recipe(recipe))  # a bare 0-d loss: weighed by samples
         self.args, self.recipe_args, self.given = self._own_arguments(args, recipe_args)
         args = self.args
         self.accelerator = acc = build_accelerator(args)
@@ -434,7 +434,7 @@ class Trainer:
             self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step, args.output_dir
         )
         with self._no_write_left_behind(), self.preemption, peers:
-            for window in self.windows():  # this rank's micro-batches of one optimizer update
+            for window in preflight.checked(self, self.windows()):  # micro-batches of one update; the first checked
                 self.update(window)
                 self.events.fire("update_end", self)
                 self._announce_written()
