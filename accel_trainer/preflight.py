@@ -211,8 +211,9 @@ class _unchanged:
 
 
 def _agree(acc, problem: str | None) -> str | None:
-    """Every rank's outcome: the first failing rank's line (None: every rank passed). One gather and, on a failure,
-    one broadcast of that line as bytes (no pickling), each bounded by the process group's timeout."""
+    """Every rank's outcome (None: every rank passed): its own line when every rank failed, else the first failing
+    rank's line, naming it. One gather and, when only some ranks failed, one broadcast of that line as bytes (no
+    pickling), each bounded by the process group's timeout."""
     if acc.num_processes == 1:
         return problem
     from accelerate.utils import broadcast
@@ -220,6 +221,8 @@ def _agree(acc, problem: str | None) -> str | None:
     failed = acc.gather(torch.tensor([0 if problem is None else 1], device=acc.device))
     if not bool(failed.any()):
         return None
+    if bool(failed.all()):  # the usual case (one recipe, one kind of batch): each rank's own line, the same line
+        return problem
     rank = int(failed.nonzero()[0])
     size = 2048
     text = torch.zeros(size, dtype=torch.uint8, device=acc.device)
@@ -228,7 +231,7 @@ def _agree(acc, problem: str | None) -> str | None:
         text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     text = broadcast(text, from_process=rank)
     line = bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-    return problem if problem is not None else f"{line} (on rank {rank})"
+    return f"{line} (on rank {rank})"  # the same line on every rank
 
 
 def _describe(x) -> str:
@@ -238,7 +241,8 @@ def _describe(x) -> str:
         return f"a dict with keys {sorted(map(str, x))}"
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of {len(x)}: ({', '.join(_describe(v) for v in x)})"
-    return f"a {type(x).__name__}"
+    kind = type(x).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 def _shape(x) -> str:

@@ -35,7 +35,7 @@ def refused(proc, out) -> str:
     "mode, message",
     [
         ("vector", "error: loss must return (mean loss, number of items); got a tensor of shape [16]: "),
-        ("triple", "error: loss must return (mean loss, number of items); got a tuple of 3: (a 0-d tensor, a int, "),
+        ("triple", "error: loss must return (mean loss, number of items); got a tuple of 3: (a 0-d tensor, an int, "),
         ("float", "error: loss must return (mean loss, number of items); its first element is a float: "),
         ("eval_keys", "error: eval_step must return a dict with 'loss' and 'n_items' "),
     ],
@@ -58,12 +58,19 @@ def test_per_token_predictions_with_accuracy_are_refused_before_the_first_update
                            "references of shape [16, 4] (ValueError: Predictions and/or references"), line  # fmt: skip
 
 
-def test_per_token_accuracy_is_refused_on_every_rank_of_two(tmp_path):
+def test_a_refusal_stops_every_rank_of_two(tmp_path):
     out = tmp_path / "o"
     script = os.path.join(TESTS, "token_accuracy_recipe.py")
     args = ["--output_dir", out, "--num_train_epochs", "1", "--disable_tqdm"]
     line = refused(run(script, args, nproc=2, check=False, timeout=300), out)
     assert line.startswith("error: metric 'accuracy' cannot take eval_step's predictions of shape [16, 4]"), line
+    # A hook that fails on one rank only: the other rank stops too (it does not wait in the first update's
+    # all-reduce), with the same line naming the failing rank.
+    out = tmp_path / "one_rank"
+    args = ["--output_dir", out, "--mode", "vector_on_rank1"] + SHORT
+    line = refused(run(RECIPE, args, nproc=2, check=False, timeout=300), out)
+    assert line.startswith("error: loss must return (mean loss, number of items); got a tensor of shape [16]"), line
+    assert line.endswith("(on rank 1)"), line
 
 
 def test_a_bare_loss_is_weighed_by_sample_count_like_loss_and_batch_size(tmp_path):
