@@ -19,7 +19,7 @@ name = "regression"
 
 @dataclass
 class Args(regression.Args):
-    mode: str = "explicit"  # explicit | bare | vector | vector_on_rank1 | triple | float | eval_keys
+    mode: str = "explicit"  # explicit | bare | explicit_preds | bare_preds (eval_step without a loss) | vector | vector_on_rank1 | triple | float | eval_keys
     batch_norm: bool = False
 
 
@@ -40,7 +40,7 @@ def build_model(ctx):
 def loss(model, batch):
     err = (model(batch["x"].float()) - batch["y"].float()) ** 2
     mean = err.mean()
-    if _mode == "bare":
+    if _mode.startswith("bare"):
         return mean
     if _mode == "vector" or (_mode == "vector_on_rank1" and ctx_rank() == 1):
         return err.mean(1)
@@ -60,6 +60,8 @@ def eval_step(model, batch):
     err = ((pred - batch["y"].float()) ** 2).mean(1)
     if _mode == "eval_keys":
         return {"logits": pred, "labels": batch["y"]}
+    if _mode.endswith("_preds"):  # no loss: evaluation takes it from `loss`
+        return {"predictions": pred[:, 0], "references": batch["y"][:, 0]}
     return {"loss": err, "n_items": torch.ones_like(err), "predictions": pred[:, 0], "references": batch["y"][:, 0]}
 
 

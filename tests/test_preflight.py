@@ -77,15 +77,16 @@ def test_a_bare_loss_is_weighed_by_sample_count_like_loss_and_batch_size(tmp_pat
     # Accumulation weighs micro-batches by their counts, evaluation spreads a mean loss over the batch's samples: the
     # bare loss must give exactly the numbers of (loss, batch size). 100 samples, batches of 16: the last is 4.
     runs = {}
-    for mode in ("explicit", "bare"):
+    # eval_step gives no loss here: evaluation takes it from `loss` too.
+    for mode in ("explicit_preds", "bare_preds"):
         out = tmp_path / mode
         args = ["--output_dir", out, "--mode", mode, "--num_train_samples", "100", "--num_train_epochs", "1"]
         proc = run(RECIPE, args + ["--gradient_accumulation_steps", "2", "--logging_steps", "1", "--disable_tqdm"])
         runs[mode] = (rows(out), weights(out))
         notes = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "bare 0-d" in line]
-        assert len(notes) == (mode == "bare"), proc.stdout[-2000:]
+        assert len(notes) == (mode == "bare_preds"), proc.stdout[-2000:]
     keys = ("step", "loss", "grad_norm", "eval_loss", "eval_samples")
-    (explicit, w_explicit), (bare, w_bare) = runs["explicit"], runs["bare"]
+    (explicit, w_explicit), (bare, w_bare) = runs["explicit_preds"], runs["bare_preds"]
     assert [{k: r.get(k) for k in keys} for r in bare] == [{k: r.get(k) for k in keys} for r in explicit]
     assert any("eval_loss" in r for r in bare) and len([r for r in bare if "loss" in r]) == 4
     assert all(torch.equal(w_bare[k], w_explicit[k]) for k in w_explicit)
