@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
-from . import evaluation, faults, loaders, nan_batch, precision, sharding
+from . import evaluation, faults, loaders, nan_batch, precision, preflight, sharding
 from .accel import configure_process
 from .args import TrainingArguments
 from .errors import UserError
@@ -81,6 +81,7 @@ class Trainer:
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
         self.recipe, self.args, self.recipe_args, self.given = trainer_arguments(recipe, args, recipe_args)
+        self.recipe = preflight.counting_items(self.recipe)  # a bare 0-d loss: weighed by the batch's samples
         args = self.args
         # Everything the run changes in the whole process happens in accel.configure_process, recorded in
         # run_config.json ("process"); the world is known from here on.
@@ -359,7 +360,7 @@ class Trainer:
             self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step, args.output_dir
         )
         with self._no_write_left_behind(), self.preemption, peers:
-            for window in self.windows():  # this rank's micro-batches of one optimizer update
+            for window in preflight.checked(self, self.windows()):  # micro-batches of one update; the first checked
                 self.update(window)
                 self.events.fire("update_end", self)
                 self._announce_written()

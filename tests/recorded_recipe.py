@@ -53,7 +53,10 @@ def recorded(recipe):
         epoch[0] = trainer.epoch
 
     def loss(model, batch):
-        pending.append(sample_ids(batch))
+        if (
+            torch.is_grad_enabled()
+        ):  # not the recipe check's no_grad call (accel_trainer/preflight.py): it trains nothing
+            pending.append(sample_ids(batch))
         return recipe.loss(model, batch)
 
     def on_update_end(trainer):

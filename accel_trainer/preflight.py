@@ -1,0 +1,254 @@
+"""The recipe checked on the run's first batch before the first update: `loss`, `eval_step` and every metric of
+`build_metrics`, on every rank, each wrong return value one line naming the hook, what it returned and what the
+contract expects (docs/architecture.md, "The recipe contract").
+
+Why before: a metric that cannot take the recipe's predictions otherwise fails at the first evaluation, after
+training (the whole run for a 1-epoch run), with a traceback that prints both tensors; a loss of the wrong shape
+fails deep inside update.py.
+
+How: `checked(trainer, windows)` takes the first window the training loop would take anyway (nothing extra is read
+from the data, the loader's order is untouched) and, before handing it to the first update, runs the hooks on its
+first micro-batch: one forward of `loss` in train mode and one of `eval_step` in eval mode, both under no_grad, then
+each metric on a fresh `build_metrics(ctx)`. The RNG states (torch's, on the CPU and the accelerator, and Python's)
+and the model's buffers (batch-norm statistics move in a train-mode forward) are restored, so a run's numbers are
+bit-identical to a run without the check. A separate no_grad forward rather than checking inside the first update:
+the update's path (DDP's hooks, the fast path) stays as it is, and an error is agreed on by every rank before any
+rank starts a backward that the others would wait in. Cost: one forward and one eval forward, once. The outcome is
+agreed on by every rank (one gather, bounded by the process group's timeout, --ddp_timeout): a failure on any rank
+stops every rank with the failing rank's line.
+
+`ACCEL_TRAINER_RECIPE_CHECK=0` skips the check (a run whose metric is known to fail, to keep its model).
+
+A bare 0-d loss (`return out.loss`, the transformers habit) is accepted: `counting_items` weighs it by the batch's
+sample count (Accelerate's find_batch_size) everywhere the loss is used (update, evaluation), and the check says so
+once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import random
+
+import torch
+from accelerate.utils import find_batch_size
+
+from . import evaluation
+from .recipe import RecipeError
+
+OPT_OUT = "ACCEL_TRAINER_RECIPE_CHECK"
+EVAL_PAIRS = (("loss", "n_items"), ("predictions", "references"))
+
+
+def counting_items(recipe):
+    """The recipe with its `loss` accepting a bare 0-d tensor: (loss, the batch's sample count). Idempotent."""
+    if getattr(recipe.loss, "_counts_items", False):
+        return recipe
+    user_loss = recipe.loss
+
+    @functools.wraps(user_loss)  # __wrapped__: signature checks and error messages see the recipe's own function
+    def loss(model, batch):
+        out = user_loss(model, batch)
+        if isinstance(out, torch.Tensor) and out.ndim == 0:
+            return out, _sample_count(batch)
+        return out
+
+    loss._counts_items = True
+    return dataclasses.replace(recipe, loss=loss)
+
+
+def _sample_count(batch) -> int:
+    n = find_batch_size(batch)
+    if not n:
+        raise RecipeError(
+            "loss returned a bare 0-d tensor and the batch's sample count cannot be found (no tensor in it with a "
+            "first dimension): return (mean loss, number of items)."
+        )
+    return n
+
+
+def checked(trainer, windows):
+    """`windows` (the training loop's), its first window checked (module docstring) before it is handed on."""
+    first = next(windows, None)
+    if first is None:
+        return
+    if os.environ.get(OPT_OUT, "1") != "0" and first:
+        check(trainer, first[0])
+    yield first
+    yield from windows
+
+
+def check(trainer, batch) -> None:
+    """Run the recipe's hooks on `batch` on every rank; raise one RecipeError line on every rank if any rank failed."""
+    acc = trainer.accelerator
+    problem, error, note = None, None, None
+    try:
+        note = _check_hooks(trainer, batch)
+    except RecipeError as e:
+        problem = str(e)
+    except Exception as e:  # noqa: BLE001 -- a bug in the recipe's code: raised as it is, after the ranks agree
+        problem, error = f"the recipe check failed: {_first_line(e)}", e
+    problem = _agree(acc, problem)
+    if error is not None:
+        raise error
+    if problem is not None:
+        raise RecipeError(problem)
+    if note:
+        trainer.reporter.print(note)
+
+
+def _check_hooks(trainer, batch) -> str | None:
+    """Raise RecipeError for the first hook that breaks the contract; return the bare-loss note, if any."""
+    recipe, model = trainer.recipe, trainer.model
+    user_loss = getattr(recipe.loss, "__wrapped__", recipe.loss)
+    was_training = model.training
+    with _unchanged(model, trainer.accelerator.device), torch.no_grad():
+        try:
+            model.train()
+            note = _check_loss(user_loss(model, batch), batch)
+            if recipe.eval_step is not None or recipe.build_metrics is not None:
+                model.eval()
+                _check_eval(recipe, trainer.ctx, model, batch, trainer.accelerator.device)
+        finally:
+            model.train(was_training)
+    return note
+
+
+def _check_loss(out, batch) -> str | None:
+    expected = "loss must return (mean loss, number of items)"
+    if isinstance(out, torch.Tensor) and out.ndim == 0:
+        n = _sample_count(batch)
+        return (
+            f"note: loss returns a bare 0-d tensor; each batch is weighted by its sample count ({n} here). To weigh "
+            "by tokens or other items, return (mean loss, number of items)."
+        )
+    if isinstance(out, torch.Tensor):
+        raise RecipeError(
+            f"{expected}; got a tensor of shape {list(out.shape)}: reduce it to its mean and return (loss.mean(), "
+            "number of items), or a bare 0-d loss."
+        )
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise RecipeError(f"{expected}; got {_describe(out)}: return (loss, batch_size) or a bare 0-d loss tensor.")
+    mean, n = out
+    if not isinstance(mean, torch.Tensor) or mean.numel() != 1 or not mean.is_floating_point():
+        raise RecipeError(
+            f"{expected}; its first element is {_describe(mean)}: the mean loss must be a floating-point tensor of "
+            "one value, with its gradient (not loss.item())."
+        )
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1:
+            raise RecipeError(f"{expected}; its second element is {_describe(n)}: the number of items is one count.")
+    elif isinstance(n, bool) or not isinstance(n, (int, float)):
+        raise RecipeError(f"{expected}; its second element is {_describe(n)}: the number of items is one count.")
+    return None
+
+
+def _check_eval(recipe, ctx, model, batch, device) -> None:
+    out = {}
+    if recipe.eval_step is not None:
+        out = recipe.eval_step(model, batch)
+        expected = (
+            "eval_step must return a dict with 'loss' and 'n_items' (per sample, or the batch's mean and count) "
+            "and/or 'predictions' and 'references' (first dimension: the batch)"
+        )
+        if not isinstance(out, dict):
+            raise RecipeError(f"{expected}; got {_describe(out)}.")
+        given = [pair for pair in EVAL_PAIRS if any(k in out for k in pair)]
+        broken = [pair for pair in given if not all(k in out for k in pair)]
+        if not given or broken:
+            raise RecipeError(f"{expected}; got the keys {sorted(map(str, out))}.")
+        try:
+            out = evaluation.outputs(recipe, model, batch, device)
+        except RecipeError:
+            raise
+        except Exception as e:
+            raise RecipeError(
+                f"{expected}; got {_describe(out)}, which evaluation cannot take: {_first_line(e)}"
+            ) from None
+    metrics = recipe.build_metrics(ctx) if recipe.build_metrics is not None else {}
+    if metrics and "predictions" not in out:
+        raise RecipeError(
+            f"build_metrics gives {sorted(metrics)} but eval_step returns no 'predictions' and 'references' for "
+            "them: return them from eval_step (first dimension: the batch)."
+        )
+    for name, metric in metrics.items():
+        p, r = out["predictions"], out["references"]
+        try:
+            metric.add_batch(predictions=p.cpu(), references=r.cpu())
+            metric.compute()
+        except Exception as e:  # noqa: BLE001 -- whatever the metric raises, it cannot take these values
+            raise RecipeError(
+                f"metric {name!r} cannot take eval_step's predictions of shape {_shape(p)} and references of shape "
+                f"{_shape(r)} "
+                f"({_first_line(e)}): give it what it takes (the built-in accuracy/f1/mse: one value per sample; "
+                "flatten per-token values, e.g. predictions[labels != -100]) or use a metric for these shapes."
+            ) from None
+
+
+@dataclasses.dataclass
+class _unchanged:
+    """The RNG states and the model's buffers as they were before the check (the run must not see it)."""
+
+    model: torch.nn.Module
+    device: torch.device
+
+    def __enter__(self):
+        self.python = random.getstate()
+        self.cpu = torch.get_rng_state()
+        self.accel = torch.get_device_module(self.device).get_rng_state() if self.device.type != "cpu" else None
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        random.setstate(self.python)
+        torch.set_rng_state(self.cpu)
+        if self.accel is not None:
+            torch.get_device_module(self.device).set_rng_state(self.accel)
+        return False
+
+
+def _agree(acc, problem: str | None) -> str | None:
+    """Every rank's outcome (None: every rank passed): its own line when every rank failed, else the first failing
+    rank's line, naming it. One gather and, when only some ranks failed, one broadcast of that line as bytes (no
+    pickling), each bounded by the process group's timeout."""
+    if acc.num_processes == 1:
+        return problem
+    from accelerate.utils import broadcast
+
+    failed = acc.gather(torch.tensor([0 if problem is None else 1], device=acc.device))
+    if not bool(failed.any()):
+        return None
+    if bool(failed.all()):  # the usual case (one recipe, one kind of batch): each rank's own line, the same line
+        return problem
+    rank = int(failed.nonzero()[0])
+    size = 2048
+    text = torch.zeros(size, dtype=torch.uint8, device=acc.device)
+    if acc.process_index == rank:
+        raw = problem.encode()[:size]
+        text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    text = broadcast(text, from_process=rank)
+    line = bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    return f"{line} (on rank {rank})"  # the same line on every rank
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return "a 0-d tensor" if x.ndim == 0 else f"a tensor of shape {list(x.shape)}"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}: ({', '.join(_describe(v) for v in x)})"
+    kind = type(x).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
+def _shape(x) -> str:
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else _describe(x)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
