@@ -35,7 +35,7 @@ import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
-from .checkpoint import write_file_atomically
+from .checkpointing.folder import write_file_atomically
 from .errors import UserError
 
 # Size-based wrapping for models without transformer blocks to name: every submodule over this many parameters

@@ -33,10 +33,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import checkpoint as ckpt
 from . import cpu_allocator, evaluation, faults, loaders, precision, sharding
 from .accel import build_accelerator, inductor_on_cpu
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
+from .checkpointing import folder as ckpt_folder
+from .checkpointing import resume as ckpt_resume
 from .errors import UserError
 from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
@@ -263,14 +264,14 @@ class Trainer:
         self._kept_best = {}  # Progress fields: the best evaluation of an earlier attempt whose best/ is kept
         spec = faults.effective_resume_spec(args.resume_from_checkpoint)
         if spec:
-            path = ckpt.resolve_on_main(self.accelerator, spec, out)
+            path = ckpt_resume.resolve_on_main(self.accelerator, spec, out)
             if path is not None:
                 return path
         previous = [f for f in PREVIOUS_RUN_FILES if os.path.exists(os.path.join(out, f))]
         leftovers = spec is not None and spec.startswith("auto") and "model.safetensors" not in previous
         if previous and not (args.overwrite_output_dir or leftovers):
             raise FileExistsError(
-                f"output_dir {out} holds a previous run ({', '.join(previous)}). {ckpt.previous_run_advice(out)}"
+                f"output_dir {out} holds a previous run ({', '.join(previous)}). {ckpt_resume.previous_run_advice(out)}"
             )
         if leftovers and not args.overwrite_output_dir and "best" in previous:
             previous.remove("best")
@@ -300,7 +301,7 @@ class Trainer:
             what = f"moved to {aside}: this run cannot compare against it (another metric, or no best.json)"
         if self.accelerator.is_main_process:
             print(
-                f"Starting over (no checkpoint in {ckpt.checkpoints_root(out)}); the best model of the attempt before, "
+                f"Starting over (no checkpoint in {ckpt_folder.checkpoints_root(out)}); the best model of the attempt before, "
                 f"{os.path.join(out, 'best')}, is {what}.",
                 file=sys.stderr,
                 flush=True,
@@ -524,7 +525,7 @@ class Trainer:
             raise
 
     def _finish_write_on_the_way_out(self, w):
-        from .async_save import CheckpointWriteError
+        from .checkpointing.async_writer import CheckpointWriteError
 
         path = self._pending_path
         try:
@@ -677,7 +678,7 @@ class Trainer:
         if self._log_window:
             self.log()  # also stops on a non-finite loss before anything is written over a good checkpoint
         self._wait_for_checkpoint()  # one write at a time: the staging memory is reused, the order kept
-        path = ckpt.save_checkpoint(
+        path = ckpt_folder.save_checkpoint(
             self.accelerator,
             self.args.output_dir,
             self.global_step,
@@ -700,9 +701,9 @@ class Trainer:
         if self.streaming:
             self._train_stream.save(folder, self.progress)
 
-    # --save_async (async_save.py): the write runs in the background; a failure stops every rank at one update.
+    # --save_async (checkpointing/async_writer.py): the write runs in the background; a failure stops every rank at one update.
     def _async_writer(self):
-        from .async_save import AsyncWriter
+        from .checkpointing.async_writer import AsyncWriter
 
         if not (is_plain_torch(self.accelerator) or self.sharded):
             raise UserError(
@@ -732,7 +733,7 @@ class Trainer:
         """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
         self._wait_for_checkpoint()  # a failed background write stops the run here, with its own message
         path = (
-            os.path.join(ckpt.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
+            os.path.join(ckpt_folder.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
             if self._saved_step == self.global_step
             else self.save_checkpoint()
         )
@@ -750,7 +751,7 @@ class Trainer:
     def _resume(self, path: str):
         """Continue the run from the verified checkpoint `path` (checkpoint.resume: the weights, optimizer and RNG
         states, and this rank's position for any world size); the progress and, for a stream, its position."""
-        state, position = ckpt.resume(
+        state, position = ckpt_resume.resume(
             self.accelerator, path, self.args, self.model, self.optimizer, ema=self.ema, streaming=self.streaming,
             say=self.reporter.print,
         )  # fmt: skip
@@ -774,7 +775,7 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             model = self.ema.module if self.ema is not None else self.unwrapped_model
-            ckpt.write_file_atomically(
+            ckpt_folder.write_file_atomically(
                 path, lambda tmp: save_model(model, tmp), self.args.output_dir, f"the model to {path}"
             )
         self.accelerator.wait_for_everyone()

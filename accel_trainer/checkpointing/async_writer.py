@@ -37,7 +37,7 @@ import contextlib
 import threading
 from datetime import timedelta
 
-from .errors import UserError
+from ..errors import UserError
 
 
 class CheckpointWriteError(UserError):
