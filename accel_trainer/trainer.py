@@ -61,14 +61,29 @@ class AfterTrainingError(UserError):
 
 @dataclass
 class Progress:
-    """Where the run is; saved in every checkpoint (trainer_state.json)."""
+    """How far the run is; saved in every checkpoint (trainer_state.json). Where it is in the data (epoch, batch in
+    the epoch) is the data position's (loaders.MapPosition, streaming.Stream). Written only by its methods below,
+    which only the Trainer calls (an update, a new best evaluation, a resume)."""
 
     global_step: int = 0  # optimizer updates done (attempted, including fp16- and NaN-skipped ones)
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed (always a window boundary)
     skipped_steps: int = 0  # fp16 overflow skips + non-finite skips
     best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
     best_step: int | None = None
+
+    def updated(self, stepped: bool):
+        self.global_step += 1
+        self.skipped_steps += not stepped
+
+    def new_best(self, value: float):
+        self.best_metric, self.best_step = value, self.global_step
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict):
+        """A checkpoint's values; a field it lacks (an older checkpoint) keeps its default."""
+        for name, default in asdict(Progress()).items():
+            setattr(self, name, state.get(name, default))
 
 
 def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:
@@ -156,11 +171,11 @@ class Trainer:
         # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
         set_seed(args.seed)
         model = self._build_model()
-        self.train_loader, self.eval_loader, self._train_stream = loaders.build_loaders(
+        # self.data: where the run is in its data (loaders.MapPosition, or streaming.Stream for a stream)
+        self.train_loader, self.eval_loader, self.data = loaders.build_loaders(
             self.recipe.build_data(self.ctx), args, acc, self.recipe.name
         )
-        self.streaming = self._train_stream is not None  # a stream (streaming.py) has no length
-        if args.dataloader_num_workers and not self.streaming and not isinstance(self.train_loader, DataLoader):
+        if args.dataloader_num_workers and not isinstance(self.train_loader, DataLoader):  # a stream's is one
             self.reporter.print(
                 f"note: --dataloader_num_workers {args.dataloader_num_workers} does nothing here: recipe "
                 f"{self.recipe.name} batches its data itself (build_data's 'loader'), in the training process."
@@ -215,7 +230,7 @@ class Trainer:
 
     @property
     def epoch(self) -> int:
-        return self.progress.epoch
+        return self.data.epoch
 
     # ---------------------------------------------------------------------------------------------------- set-up
     def _check_world(self):
@@ -327,20 +342,7 @@ class Trainer:
     def _run_length(self) -> tuple[int | None, int | None, int]:
         """(micro-batches per epoch on this rank, updates per epoch, total updates). A stream's length is unknown
         (None): the run length is --max_steps, an epoch ends when the stream does."""
-        args = self.args
-        if self.streaming:
-            return None, None, args.max_steps
-        # before the zero check: a rank that raised alone would leave the others waiting in this collective
-        loaders.check_lengths_agree(self.accelerator, self.train_loader, self.eval_loader, self.recipe.name)
-        micro_batches = len(self.train_loader)
-        if micro_batches == 0:
-            raise UserError(
-                "The training data gives no batch on this process: fewer samples than "
-                "per_device_train_batch_size x processes? Lower the batch size or add data."
-            )
-        updates = math.ceil(micro_batches / args.gradient_accumulation_steps)
-        total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates)
-        return micro_batches, updates, total
+        return self.data.run_length(self.args, self.eval_loader, self.recipe.name)
 
     def _prepare(self, model):
         """((model, optimizer, scheduler) prepared by Accelerate, what sharding learned). Under FSDP
@@ -441,9 +443,7 @@ class Trainer:
                 if step % args.logging_steps == 0 or last:
                     self.log(bar)
                 # at an epoch's end; not for a stream, whose epochs end at other updates on each rank
-                eval_due = (
-                    step % args.eval_steps == 0 if args.eval_steps else p.batch_in_epoch == 0 and not self.streaming
-                )
+                eval_due = step % args.eval_steps == 0 if args.eval_steps else self.data.epoch_just_ended()
                 if not last and self.eval_loader is not None and eval_due:
                     with self.meter.paused():  # not update time in the log rows
                         metrics = self.evaluate()
@@ -550,36 +550,20 @@ class Trainer:
         """Accumulation windows from the current position on; the position moves as each window is handed out,
         so a checkpoint written after the update of a window resumes right after it. The time spent here, between
         handing out two windows, is the time spent waiting for data."""
-        p, L = self.progress, self.micro_batches_per_epoch
-        if p.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
+        if self.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
             return
         asked = time.perf_counter()
-        if self.streaming:  # the position is the loader's state; streaming.Stream moves the counters
-            for window in self._train_stream.windows(self.args.gradient_accumulation_steps, self.accelerator.device, p):
-                self.meter.waited(time.perf_counter() - asked)
-                yield window
-                asked = time.perf_counter()
-            return
-        for epoch, position, window in loaders.accumulation_windows(
-            self._epoch_batches, L, self.args.gradient_accumulation_steps, p.epoch, p.batch_in_epoch
-        ):
-            p.epoch, p.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
+        for window in self.data.windows(self.args.gradient_accumulation_steps):  # the data position moves
             self.meter.waited(time.perf_counter() - asked)
             yield window
             asked = time.perf_counter()
 
-    def _epoch_batches(self, epoch: int, skip: int):
-        return loaders.epoch_batches(self.train_loader, epoch, skip, self.accelerator, stream=self.streaming)
-
     def update(self, window: list, schedule: bool = True):
         """One optimizer update over a window of micro-batches (this rank's share of the global batch; update.py).
         Returns the mean loss over every item of the global batch (a tensor; no host sync)."""
-        p = self.progress
         done = self.updater(window, schedule=schedule)
-        if not done.stepped:
-            p.skipped_steps += 1
-        p.global_step += 1
-        self._log_window.append((done.loss, done.grad_norm if done.stepped else None, p.global_step))
+        self.progress.updated(done.stepped)
+        self._log_window.append((done.loss, done.grad_norm if done.stepped else None, self.global_step))
         return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
@@ -633,9 +617,7 @@ class Trainer:
             )
 
     def _epoch_float(self) -> float:
-        if self.streaming:  # the stream's length is unknown: whole epochs of this rank only
-            return float(self.progress.epoch)
-        return self.progress.epoch + self.progress.batch_in_epoch / self.micro_batches_per_epoch
+        return self.data.epoch_float()
 
     # ------------------------------------------------------------------------------------------------ evaluation
     def gather_eval(self, out: dict) -> dict:
@@ -660,18 +642,24 @@ class Trainer:
         if results:
             self.reporter.log(results, self.global_step, self._epoch_float())
             if self.args.metric_for_best_model:
-                evaluation.keep_if_best(self.accelerator, self.args, self.progress, results, self.save_model)
+                p = self.progress
+                best = evaluation.keep_if_best(
+                    self.accelerator, self.args, p.best_metric, p.global_step, results, self.save_model
+                )
+                if best is not None:
+                    p.new_best(best)
         return results
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state(self) -> dict:
         return {
-            **asdict(self.progress),
+            **self.progress.state_dict(),
+            **self.data.state_dict(),  # the main process's place in the data; a stream's ranks: their own files
             "num_processes": self.accelerator.num_processes,
             "per_device_train_batch_size": self.args.per_device_train_batch_size,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "seed": self.args.seed,
-            **self.updater.state(),  # update.py's K: a resumed DDP run scales its gradients the same
+            **self.updater.state_dict(),  # update.py's K: a resumed DDP run scales its gradients the same
         }
 
     def save_checkpoint(self) -> str:
@@ -687,7 +675,7 @@ class Trainer:
             save_total_limit=self.args.save_total_limit,
             on_staged=lambda folder: self.events.fire("checkpoint_staged", self, folder),
             async_writer=self._writer,
-            write_extra=self._save_data_state,  # a stream's position at this update, also under --save_async
+            write_extra=self.data.save_rank_files,  # a stream's position at this update, also under --save_async
         )
         self._saved_step = self.global_step
         if self._writer is None:
@@ -695,11 +683,6 @@ class Trainer:
         else:
             self._pending_path = path  # checkpoint_written fires once it is committed
         return path
-
-    def _save_data_state(self, folder: str):
-        """Every rank: its position in its stream (streaming.py), next to accelerate's per-rank RNG files."""
-        if self.streaming:
-            self._train_stream.save(folder, self.progress)
 
     # --save_async (checkpointing/async_writer.py): the write runs in the background; a failure stops every rank at one update.
     def _async_writer(self):
@@ -752,14 +735,13 @@ class Trainer:
         """Continue the run from the verified checkpoint `path` (checkpoint.resume: the weights, optimizer and RNG
         states, and this rank's position for any world size); the progress and, for a stream, its position."""
         state, position = ckpt_resume.resume(
-            self.accelerator, path, self.args, self.model, self.optimizer, ema=self.ema, streaming=self.streaming,
-            say=self.reporter.print,
+            self.accelerator, path, self.args, self.model, self.optimizer, ema=self.ema,
+            streaming=self.data.per_rank, say=self.reporter.print,
         )  # fmt: skip
-        self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
-        self.progress.batch_in_epoch = position
-        self.updater.load(state)
-        if self.streaming:  # this rank's epoch, batch counter and stream position (they differ by rank)
-            self._train_stream.load(path, self.progress)
+        here = {**state, "batch_in_epoch": position}  # this rank's place in the epoch on this world size
+        for component in (self.progress, self.data, self.updater):
+            component.load_state_dict(here)
+        self.data.load_rank_files(path)  # a stream: this rank's epoch, batch counter and position (they differ)
         moved = "" if state["num_processes"] == self.accelerator.num_processes else (
             f", written by {state['num_processes']} processes: batch {state['batch_in_epoch']} there"
         )  # fmt: skip
@@ -789,11 +771,11 @@ class Trainer:
     def fetch_batch(self):
         """The next training batch (on the device), continuing across epochs."""
         if self._train_iter is None:
-            self._train_iter = self._epoch_batches(self.epoch, 0)
+            self._train_iter = self.data.batches(self.epoch, 0)
         try:
             return next(self._train_iter)
         except StopIteration:
-            self._train_iter = self._epoch_batches(self.epoch + 1, 0)
+            self._train_iter = self.data.batches(self.epoch + 1, 0)
             return next(self._train_iter)
 
     def train_step(self, batch=None, schedule: bool = True) -> float:

@@ -74,11 +74,11 @@ class Updater:
         self.reference = None  # K: the previous update's items per rank (a tensor; None: not known yet)
         self.grad_norm = None
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """What a checkpoint keeps of the Updater: K (update.py's docstring), None before the first DDP update."""
         return {"items_per_rank": None if self.reference is None else float(self.reference)}
 
-    def load(self, state: dict):
+    def load_state_dict(self, state: dict):
         """Resume with a checkpoint's K (none in a checkpoint from a run without DDP, or from before K was saved:
         the first update then waits for its own count)."""
         if state.get("items_per_rank") is not None and self.ddp is not None:
