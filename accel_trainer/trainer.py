@@ -1,7 +1,7 @@
 """The Trainer: one object over `accelerate.Accelerator` that owns the loop. Read it top to bottom:
 
     __init__   resolve the arguments, build the Accelerator, the recipe's model, loaders (loaders.py), optimizer and
-               scheduler, prepare; resume (checkpoint.resume) when a checkpoint is named
+               scheduler, prepare; resume (checkpointing/manager.py) when a checkpoint is named
     fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
     update     one optimizer update (update.py: item-weighted accumulation, clip, step, schedule, EMA); the step count
     evaluate   evaluation.py: every eval sample once on any world size, the metrics, the best model kept; the
@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import math
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -28,7 +27,6 @@ from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
 from accelerate.utils import DistributedType, set_seed
-from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -36,19 +34,13 @@ from tqdm.auto import tqdm
 from . import cpu_allocator, evaluation, faults, loaders, precision, sharding
 from .accel import build_accelerator, inductor_on_cpu
 from .args import ResolvedArgs, TrainingArguments, resolve_args, user_values
-from .checkpointing import folder as ckpt_folder
-from .checkpointing import resume as ckpt_resume
+from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
 from .errors import UserError
 from .events import Events
 from .recipe import Recipe, RecipeContext, load_recipe
 from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops, host_floats
-from .update import Updater, is_plain_torch, registered_comm_hook
-
-AFTER_TRAINING_TRACEBACK = "error_after_training.txt"  # a bug's traceback, named by AfterTrainingError's line
-PREVIOUS_RUN_FILES = (
-    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK
-)  # fmt: skip
+from .update import Updater, registered_comm_hook
 
 
 class NonFiniteLossError(UserError):
@@ -160,7 +152,7 @@ class Trainer:
         self.inductor = inductor_on_cpu(acc)  # before prepare() compiles: a heap corruption on CPUs (why there)
         # --lr_scaling: every builder sees the learning rate scaled for this world's global batch.
         self.base_learning_rate, args.learning_rate = args.learning_rate, args.scaled_learning_rate(acc.num_processes)
-        resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
+        resume_path, kept_best = prepare_output_dir(acc, args)  # checked on every rank before any rank writes
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         self.events = Events()
         for event, handler in self.recipe.events.items():
@@ -190,18 +182,23 @@ class Trainer:
         self.ema = self._build_ema()  # None without --ema_decay
 
         # The run's state, and the components that own theirs.
-        self.progress = Progress(**self._kept_best)
+        self.progress = Progress(**kept_best)
         self._log_window: list = []  # (loss tensor, grad norm, step) per update since the last log
         self._train_iter = None  # fetch_batch()'s position
-        self._saved_step = None
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
         self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
-        self._writer = self._async_writer() if args.save_async else None
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
             preemption=self.preemption,
+        )  # fmt: skip
+        self.checkpoints = CheckpointManager(
+            acc, args, state=[self.progress, self.data, self.updater], data=self.data, model=self.model,
+            optimizer=self.optimizer, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
+            fire=lambda event, *a: self.events.fire(event, self, *a), before_save=self.log,
+            save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
+            if self.sharded else None,
         )  # fmt: skip
         if args.profile_steps:
             self._attach_profiler()
@@ -210,7 +207,7 @@ class Trainer:
         if args.trackers:
             acc.init_trackers(args.run_name or self.recipe.name, config=self._flat_config())
         if resume_path:
-            self._resume(resume_path)
+            self.checkpoints.resume(resume_path)
 
     @classmethod
     def from_recipe(cls, recipe, quiet: bool = False, **values) -> Trainer:
@@ -252,14 +249,6 @@ class Trainer:
         targs.output_dir = output_dir_of(targs, self.recipe)
         return targs, resolved.rargs, resolved.given
 
-    def _prepare_output_dir(self) -> str | None:
-        """The checkpoint to resume from (None: a new run), once every rank has checked output_dir; then it exists."""
-        resume_path = self._check_output_dir()
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            os.makedirs(self.args.output_dir, exist_ok=True)
-        return resume_path
-
     def _context(self) -> RecipeContext:
         acc = self.accelerator
         return RecipeContext(
@@ -270,57 +259,6 @@ class Trainer:
             accelerator=acc,
             given=self.given,
         )
-
-    def _check_output_dir(self) -> str | None:
-        """The verified checkpoint to resume from (None: a new run), and a clean output_dir for a new run.
-        'auto' (and any elastic restart, see faults.py) resumes when there is a checkpoint and starts anew when
-        there is none, replacing the logs of an attempt that died before its first checkpoint."""
-        args, out = self.args, self.args.output_dir
-        self._kept_best = {}  # Progress fields: the best evaluation of an earlier attempt whose best/ is kept
-        spec = faults.effective_resume_spec(args.resume_from_checkpoint)
-        if spec:
-            path = ckpt_resume.resolve_on_main(self.accelerator, spec, out)
-            if path is not None:
-                return path
-        previous = [f for f in PREVIOUS_RUN_FILES if os.path.exists(os.path.join(out, f))]
-        leftovers = spec is not None and spec.startswith("auto") and "model.safetensors" not in previous
-        if previous and not (args.overwrite_output_dir or leftovers):
-            raise FileExistsError(
-                f"output_dir {out} holds a previous run ({', '.join(previous)}). {ckpt_resume.previous_run_advice(out)}"
-            )
-        if leftovers and not args.overwrite_output_dir and "best" in previous:
-            previous.remove("best")
-            self._keep_best(out)
-        if previous:
-            self.accelerator.wait_for_everyone()  # every rank has checked before the main one deletes
-            if self.accelerator.is_main_process:
-                for f in previous:
-                    path = os.path.join(out, f)
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        return None
-
-    def _keep_best(self, out: str):
-        """An attempt that died before its first checkpoint (started again with 'auto') may have written best/:
-        the new attempt keeps it and compares against its record, replacing it only when it evaluates better.
-        One that cannot be compared against (another metric, no best.json) is moved aside, never deleted."""
-        record = evaluation.previous_best(self.args, out)
-        if record is not None:
-            self._kept_best = {"best_metric": record["value"], "best_step": record["step"]}
-            found = f"step {record['step']}, {record['metric']} {record['value']:.6g}"
-            what = f"kept ({found}) until this run evaluates better"
-        else:
-            self.accelerator.wait_for_everyone()  # every rank has read best/ before it moves
-            aside = os.path.join(out, f"best.previous-{time.strftime('%Y%m%d-%H%M%S')}")
-            if self.accelerator.is_main_process:
-                os.replace(os.path.join(out, "best"), aside)
-            what = f"moved to {aside}: this run cannot compare against it (another metric, or no best.json)"
-        if self.accelerator.is_main_process:
-            print(
-                f"Starting over (no checkpoint in {ckpt_folder.checkpoints_root(out)}); the best model of the attempt before, "
-                f"{os.path.join(out, 'best')}, is {what}.",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def _build_model(self) -> torch.nn.Module:
         model = self.recipe.build_model(self.ctx)
@@ -433,11 +371,11 @@ class Trainer:
         self.meter.restart()
         self.events.fire("fit_start", self)
         peers = faults.peer_failures(self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step)
-        with self._no_write_left_behind(), self.preemption, peers:
+        with self.checkpoints.guard(), self.preemption, peers:
             for window in self.windows():  # this rank's micro-batches of one optimizer update
                 self.update(window)
                 self.events.fire("update_end", self)
-                self._announce_written()
+                self.checkpoints.announce_written()
                 bar.update(1)
                 step, last = p.global_step, p.global_step >= self.total_steps
                 if step % args.logging_steps == 0 or last:
@@ -451,11 +389,11 @@ class Trainer:
                     with self.meter.paused():
                         self.save_checkpoint()
                 if not last and self.preemption.agreed():  # a signal reached some rank by the previous update
-                    self._preempt(bar)
+                    self.checkpoints.preempt(bar)
                 if last:
                     break
         bar.close()
-        with self._no_write_left_behind():  # the final checkpoint's write too (Ctrl-C while it is waited for)
+        with self.checkpoints.guard():  # the final checkpoint's write too (Ctrl-C while it is waited for)
             return self._finish(metrics)
 
     def _finish(self, metrics: dict) -> dict:
@@ -464,11 +402,11 @@ class Trainer:
         model file that cannot be written still leaves the final checkpoint; a failure after training is one line
         saying where they are (AfterTrainingError). A resumed finished checkpoint evaluates again, without an
         update, so the final evaluation need not be in it."""
-        self._wait_for_checkpoint()  # the loop's last background write is committed before anything else
+        self.checkpoints.wait()  # the loop's last background write is committed before anything else
         saved = []
         if self.args.save_steps:
             saved.append(self.save_checkpoint())
-            self._wait_for_checkpoint()  # committed before the model file is written
+            self.checkpoints.wait()  # committed before the model file is written
         saved.insert(0, self.save_model())
         failed = None
         try:
@@ -509,37 +447,6 @@ class Trainer:
             f"Training finished at step {self.global_step}; saved: {', '.join(saved)}. Then {what} failed: "
             f"{detail.rstrip('.')}. The weights are safe: {again}."
         )
-
-    @contextlib.contextmanager
-    def _no_write_left_behind(self):
-        """Around fit()'s loop and its end. Whatever ends them early (an exception, Ctrl-C, a NaN stop, a dead peer;
-        a preemption has already waited), a checkpoint still being written in the background is committed, or
-        cleanly absent, before the error goes on. Left to the interpreter's exit, the daemon thread would be stopped
-        mid-write (or abort the process inside torch) and the checkpoint lost. Bounded by the writer's timeout."""
-        try:
-            yield
-        except BaseException:
-            w = self._writer
-            if w is not None and w.in_flight():
-                self._finish_write_on_the_way_out(w)
-            raise
-
-    def _finish_write_on_the_way_out(self, w):
-        from .checkpointing.async_writer import CheckpointWriteError
-
-        path = self._pending_path
-        try:
-            if w.pending():
-                self.reporter.print(
-                    f"Stopping: first finishing the checkpoint {path} being written in the background (at most "
-                    f"{w.timeout_s} s; interrupt again to abandon it)."
-                )
-            self._wait_for_checkpoint()
-            self.reporter.print(f"Checkpoint {path} committed; resume with --resume_from_checkpoint latest.")
-        except CheckpointWriteError as e:  # the error that ends the run goes on; this one is said, not lost
-            print(f"warning: {e}", file=sys.stderr, flush=True)
-        finally:
-            w.close()  # the run stops: the writer's group is not left to the interpreter's teardown
 
     def _progress_bar(self):
         # Not on a terminal (a log file, a SLURM job), a bar would flood the log: the plain line per log row stays.
@@ -651,117 +558,13 @@ class Trainer:
         return results
 
     # ---------------------------------------------------------------------------------------------- checkpoints
-    def state(self) -> dict:
-        return {
-            **self.progress.state_dict(),
-            **self.data.state_dict(),  # the main process's place in the data; a stream's ranks: their own files
-            "num_processes": self.accelerator.num_processes,
-            "per_device_train_batch_size": self.args.per_device_train_batch_size,
-            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-            "seed": self.args.seed,
-            **self.updater.state_dict(),  # update.py's K: a resumed DDP run scales its gradients the same
-        }
-
     def save_checkpoint(self) -> str:
-        if self._log_window:
-            self.log()  # also stops on a non-finite loss before anything is written over a good checkpoint
-        self._wait_for_checkpoint()  # one write at a time: the staging memory is reused, the order kept
-        path = ckpt_folder.save_checkpoint(
-            self.accelerator,
-            self.args.output_dir,
-            self.global_step,
-            self.state(),
-            ema=self.ema,
-            save_total_limit=self.args.save_total_limit,
-            on_staged=lambda folder: self.events.fire("checkpoint_staged", self, folder),
-            async_writer=self._writer,
-            write_extra=self.data.save_rank_files,  # a stream's position at this update, also under --save_async
-        )
-        self._saved_step = self.global_step
-        if self._writer is None:
-            self.events.fire("checkpoint_written", self, path)
-        else:
-            self._pending_path = path  # checkpoint_written fires once it is committed
-        return path
-
-    # --save_async (checkpointing/async_writer.py): the write runs in the background; a failure stops every rank at one update.
-    def _async_writer(self):
-        from .checkpointing.async_writer import AsyncWriter
-
-        if not (is_plain_torch(self.accelerator) or self.sharded):
-            raise UserError(
-                f"--save_async supports one process, DDP and FSDP2, not {self.accelerator.distributed_type}; "
-                "drop --save_async."
-            )
-        writer = AsyncWriter(self.accelerator, self.args.ddp_timeout)
-        # Every rank learns the same outcome, so every rank votes to stop: they stop at the same update (the
-        # preemption vote), where _preempt waits for the write and raises its one-line error.
-        writer.on_failure = self.preemption.request_stop
-        self._pending_path = None
-        return writer
-
-    def _announce_written(self):
-        if self._writer is not None and self._pending_path is not None and not self._writer.pending():
-            if self._writer.error is None:
-                self.events.fire("checkpoint_written", self, self._pending_path)
-                self._pending_path = None
-
-    def _wait_for_checkpoint(self):
-        """The pending background write is over (raising its failure), and announced."""
-        if self._writer is not None:
-            self._writer.wait()  # in fit() inside meter.paused(): not update time
-            self._announce_written()
-
-    def _preempt(self, progress_bar=None):
-        """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
-        self._wait_for_checkpoint()  # a failed background write stops the run here, with its own message
-        path = (
-            os.path.join(ckpt_folder.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
-            if self._saved_step == self.global_step
-            else self.save_checkpoint()
-        )
-        self._wait_for_checkpoint()
-        if progress_bar is not None:
-            progress_bar.close()
-        self.accelerator.end_training()
-        self.reporter.print(
-            f"Preempted ({self.preemption.signal_name or 'signal on another rank'}): checkpoint "
-            f"{path} at step {self.global_step}; {faults.preempted_exit()}. Resume "
-            "with --resume_from_checkpoint latest."
-        )
-        raise faults.Preempted(path, self.global_step)
-
-    def _resume(self, path: str):
-        """Continue the run from the verified checkpoint `path` (checkpoint.resume: the weights, optimizer and RNG
-        states, and this rank's position for any world size); the progress and, for a stream, its position."""
-        state, position = ckpt_resume.resume(
-            self.accelerator, path, self.args, self.model, self.optimizer, ema=self.ema,
-            streaming=self.data.per_rank, say=self.reporter.print,
-        )  # fmt: skip
-        here = {**state, "batch_in_epoch": position}  # this rank's place in the epoch on this world size
-        for component in (self.progress, self.data, self.updater):
-            component.load_state_dict(here)
-        self.data.load_rank_files(path)  # a stream: this rank's epoch, batch counter and position (they differ)
-        moved = "" if state["num_processes"] == self.accelerator.num_processes else (
-            f", written by {state['num_processes']} processes: batch {state['batch_in_epoch']} there"
-        )  # fmt: skip
-        self.reporter.print(
-            f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, batch {position}{moved})."
-        )
+        """A checkpoint of this update (checkpointing.manager; --save_async: written in the background)."""
+        return self.checkpoints.save()
 
     def save_model(self, path: str | None = None) -> str:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
-        path = path or os.path.join(self.args.output_dir, "model.safetensors")
-        if self.sharded:  # every rank takes part in gathering the shards; the main process writes
-            return sharding.save_full_model(self.accelerator, self.model, path, self.args.output_dir)
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            model = self.ema.module if self.ema is not None else self.unwrapped_model
-            ckpt_folder.write_file_atomically(
-                path, lambda tmp: save_model(model, tmp), self.args.output_dir, f"the model to {path}"
-            )
-        self.accelerator.wait_for_everyone()
-        return path
+        return self.checkpoints.save_model(path)
 
     # ----------------------------------------------------------------------------------- notebook / debugging
     @property

@@ -11,22 +11,41 @@ from helpers import ROOT
 PACKAGE = os.path.join(ROOT, "accel_trainer")
 
 
+def modules() -> set[str]:
+    """The package's modules by dotted name under it ("trainer", "checkpointing.manager"); __init__ files hold no
+    code of their own."""
+    found = set()
+    for dirpath, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py") and f != "__init__.py":
+                found.add(os.path.relpath(os.path.join(dirpath, f[:-3]), PACKAGE).replace(os.sep, "."))
+    return found
+
+
 def import_graph() -> dict[str, set[str]]:
-    mods = {f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py")} - {"__init__"}
+    mods = modules()
     graph = {m: set() for m in mods}
     for m in mods:
-        with open(os.path.join(PACKAGE, f"{m}.py")) as f:
+        with open(os.path.join(PACKAGE, *m.split(".")) + ".py") as f:
             tree = ast.parse(f.read())
+        here = m.split(".")[:-1]  # the subpackage m is in
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level == 1 or (node.module or "").startswith("accel_trainer"):
-                parts = (node.module or "").split(".")
-                target = parts[0] if node.level == 1 else (parts[1] if len(parts) > 1 else "")
-                if target in mods:
-                    graph[m].add(target)
-                elif not target:  # from . import a, b / from accel_trainer import a, b
-                    graph[m] |= {a.name for a in node.names if a.name in mods}
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+            elif (node.module or "").split(".")[0] == "accel_trainer":
+                base = []
+            else:
+                continue
+            parts = base + [p for p in (node.module or "").split(".") if p]
+            if node.level == 0:
+                parts = parts[1:]  # without "accel_trainer"
+            target = ".".join(parts)
+            if target in mods:
+                graph[m].add(target)
+            else:  # from . import a, b / from .checkpointing import folder
+                graph[m] |= {f"{target}.{a.name}".lstrip(".") for a in node.names} & mods
     return graph
 
 
@@ -66,10 +85,15 @@ END = "<!-- end of module graph -->"
 DOC = os.path.join(ROOT, "docs", "architecture.md")
 
 
+def node(m: str) -> str:
+    """A module as a mermaid node: a subpackage's module (a dot) gets an id without it and its dotted label."""
+    return m if "." not in m else f'{m.replace(".", "_")}["{m}"]'
+
+
 def mermaid(graph: dict[str, set[str]]) -> str:
     lines = ["```mermaid", "graph LR"]
-    lines += [f"    {m} --> {dep}" for m in sorted(graph) for dep in sorted(graph[m])]
-    lines += [f"    {m}" for m in sorted(graph) if not graph[m] and not any(m in deps for deps in graph.values())]
+    lines += [f"    {node(m)} --> {node(dep)}" for m in sorted(graph) for dep in sorted(graph[m])]
+    lines += [f"    {node(m)}" for m in sorted(graph) if not graph[m] and not any(m in deps for deps in graph.values())]
     return "\n".join(lines + ["```"])
 
 
