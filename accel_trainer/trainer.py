@@ -183,7 +183,7 @@ class Trainer:
 
         # The run's state, and the components that own theirs.
         self.progress = Progress(**kept_best)
-        self._log_window: list = []  # (loss tensor, grad norm, step) per update since the last log
+        self._log_window: list = []  # (loss tensor, grad norm, step, stepped) per update since the last log
         self._train_iter = None  # fetch_batch()'s position
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
@@ -470,7 +470,7 @@ class Trainer:
         Returns the mean loss over every item of the global batch (a tensor; no host sync)."""
         done = self.updater(window, schedule=schedule)
         self.progress.updated(done.stepped)
-        self._log_window.append((done.loss, done.grad_norm if done.stepped else None, self.global_step))
+        self._log_window.append((done.loss, done.grad_norm, self.global_step, done.stepped))
         return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
@@ -479,10 +479,11 @@ class Trainer:
             return None
         window = self._log_window
         # --nan_policy stop checks the updates' gradient norms with their losses.
-        checked = [i for i, (_, g, _) in enumerate(window) if g is not None] if self.args.nan_policy == "stop" else []
+        stop = self.args.nan_policy == "stop"
+        checked = [i for i, (_, g, _, stepped) in enumerate(window) if g is not None and stepped] if stop else []
         # The window's values as Python floats in one call (throughput.host_floats: no host sync per value on an
         # accelerator); the finiteness test and the mean are arithmetic on the list, not tensor ops.
-        values = host_floats([v for v, _, _ in window] + [window[i][1] for i in checked])
+        values = host_floats([v for v, *_ in window] + [window[i][1] for i in checked])
         losses = values[: len(window)]
         all_finite = all(map(math.isfinite, values))
         if not all_finite and self.args.nan_policy == "stop":
@@ -493,8 +494,8 @@ class Trainer:
             "loss": loss,
             "learning_rate": self.scheduler.get_last_lr()[0],
         }
-        if self.updater.grad_norm is not None:
-            metrics["grad_norm"] = float(self.updater.grad_norm)
+        if self.args.max_grad_norm > 0 and window[-1][1] is not None:  # the last update's norm, when clipping
+            metrics["grad_norm"] = float(window[-1][1])
         if self.accelerator.scaler is not None:
             metrics["loss_scale"] = self.accelerator.scaler.get_scale()
         if self.progress.skipped_steps or self.accelerator.scaler is not None or self.args.nan_policy == "skip":
