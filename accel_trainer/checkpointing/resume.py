@@ -289,6 +289,8 @@ def load_sharded_into_unsharded(accelerator, path: str, model, optimizer):
     from accelerate.checkpointing import load_accelerator_state
 
     load_resharded(path, model, optimizer)
+    # Accelerate's private lists of prepared schedulers and data loaders, as load_state passes them: no public API
+    # lists them (async_writer._prepared reads the same for the save).
     load_accelerator_state(
         path,
         [],
