@@ -60,7 +60,7 @@ def list_checkpoints(output_dir: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------- writing
-def _hash_file(path: str, fsync: bool = True) -> tuple[int, str]:
+def hash_file(path: str, fsync: bool = True) -> tuple[int, str]:
     """(size, sha256) of a file: for the manifest when writing (fsync), and to verify it before a resume."""
     h = hashlib.sha256()
     size = 0
@@ -100,7 +100,7 @@ def write_manifest(folder: str, state: dict) -> dict:
         "files": {},
     }
     for rel in _files(folder):
-        size, digest = _hash_file(os.path.join(folder, rel))
+        size, digest = hash_file(os.path.join(folder, rel))
         manifest["files"][rel] = {"size": size, "sha256": digest}
     tmp = os.path.join(folder, MANIFEST_FILE + ".tmp")
     with open(tmp, "w") as f:

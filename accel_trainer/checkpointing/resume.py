@@ -24,7 +24,7 @@ from .folder import (
     restore_set_aside,
     set_aside_newer,
 )
-from .verify import _DCP_META, _check_dcp_storage, _why, is_sharded_checkpoint, read_dcp_metadata, verify_checkpoint
+from .verify import DCP_META, check_dcp_storage, is_sharded_checkpoint, read_dcp_metadata, verify_checkpoint, why
 
 
 def _plain_key(name: str) -> str:
@@ -182,7 +182,7 @@ def resolve_on_main(accelerator, spec: str, output_dir: str) -> str | None:
             answer = [None, str(e)]
         except Exception as e:  # a bug: the others stop with its name instead of waiting at the broadcast
             broadcast_object_list(
-                [None, f"--resume_from_checkpoint {spec}: the main process failed ({_why(e)})."], from_process=0
+                [None, f"--resume_from_checkpoint {spec}: the main process failed ({why(e)})."], from_process=0
             )
             raise
     broadcast_object_list(answer, from_process=0)
@@ -322,8 +322,8 @@ def load_resharded(path: str, model, optimizer=None, scheduler=None):
 
     folders = [f"{FSDP_MODEL_NAME}_0"] + ([f"{OPTIMIZER_NAME}_0"] if optimizer is not None else [])
     for folder in folders:  # torch's plain pickle.load reads them next: also when called on an unverified folder
-        file = os.path.join(path, folder, _DCP_META)
-        _check_dcp_storage(path, file, read_dcp_metadata(path, file))
+        file = os.path.join(path, folder, DCP_META)
+        check_dcp_storage(path, file, read_dcp_metadata(path, file))
     state = {"model": get_model_state_dict(model)}  # names without wrapper prefixes, this rank's shapes
     dcp.load(state, checkpoint_id=os.path.join(path, f"{FSDP_MODEL_NAME}_0"))
     set_model_state_dict(model, state["model"])
@@ -344,7 +344,7 @@ def check_compatible_sharded(path: str, model):
     Call after check_dcp_metadata_safe (this unpickles the model's `.metadata` with the same allow-list)."""
     from accelerate.utils.constants import FSDP_MODEL_NAME
 
-    file = os.path.join(path, f"{FSDP_MODEL_NAME}_0", _DCP_META)
+    file = os.path.join(path, f"{FSDP_MODEL_NAME}_0", DCP_META)
     meta = read_dcp_metadata(path, file)
     found = {k.split(".", 1)[1]: tuple(v.size) for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
     _check_shapes(path, os.path.dirname(file), found, model)

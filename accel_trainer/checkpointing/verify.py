@@ -18,7 +18,7 @@ import stat
 
 from safetensors import safe_open
 
-from .folder import MANIFEST_FILE, STATE_FILE, CheckpointError, _hash_file, read_state
+from .folder import MANIFEST_FILE, STATE_FILE, CheckpointError, hash_file, read_state
 
 _PICKLED = (".bin", ".pkl", ".pt", ".pth")  # what accelerate.load_state reads with torch.load
 # Objects registered with accelerator.register_for_checkpointing: load_state loads them with weights_only=False.
@@ -46,7 +46,7 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def _why(e: BaseException) -> str:
+def why(e: BaseException) -> str:
     """An exception as one short line: its type and the first line of its message."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
@@ -91,7 +91,7 @@ def check_layout(path: str, manifest: dict, log=None):
             try:
                 regular = stat.S_ISREG(os.stat(full).st_mode)
             except OSError as e:  # e.g. a link to a file that is not there
-                raise CheckpointError(f"Checkpoint {path}: {full} cannot be read ({_why(e)}).") from None
+                raise CheckpointError(f"Checkpoint {path}: {full} cannot be read ({why(e)}).") from None
             if not regular:  # a FIFO would block the hashing forever, a device never end
                 raise CheckpointError(f"Checkpoint {path}: {full} is not a regular file; refused.")
             rel = os.path.relpath(full, path)
@@ -136,9 +136,9 @@ def verify_checkpoint(path: str, log=None) -> dict:
                 f"Checkpoint {path}: {file} is truncated or altered: {size} bytes, {meta['size']} expected."
             )
         try:
-            digest = _hash_file(file, fsync=False)[1]
+            digest = hash_file(file, fsync=False)[1]
         except OSError as e:
-            raise CheckpointError(f"Checkpoint {path}: {file} cannot be read ({_why(e)}).") from None
+            raise CheckpointError(f"Checkpoint {path}: {file} cannot be read ({why(e)}).") from None
         if digest != meta["sha256"]:
             raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
     check_state(path)
@@ -154,7 +154,7 @@ def check_state(path: str):
     try:
         state = read_state(path)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"Checkpoint {path}: {file} is missing or unreadable ({_why(e)}).") from None
+        raise CheckpointError(f"Checkpoint {path}: {file} is missing or unreadable ({why(e)}).") from None
     bad = [k for k in _STATE_KEYS if type(state.get(k)) is not int] if isinstance(state, dict) else ["everything"]
     if bad:
         raise CheckpointError(
@@ -173,7 +173,7 @@ def check_safetensors(path: str, manifest: dict):
                         f.get_slice(k).get_shape()
             except Exception as e:  # noqa: BLE001 - any failure means the file cannot be restored
                 raise CheckpointError(
-                    f"Checkpoint {path}: {file} is not a readable safetensors file ({_why(e)})."
+                    f"Checkpoint {path}: {file} is not a readable safetensors file ({why(e)})."
                 ) from None
 
 
@@ -198,7 +198,7 @@ def check_safe_to_load(path: str, manifest: dict):
             load(file, map_location="cpu", mmap=True)
         except Exception as e:  # noqa: BLE001 - any failure means the file cannot be restored
             raise CheckpointError(
-                f"Checkpoint {path}: {file} cannot be loaded safely ({_why(e)}). Pickled code "
+                f"Checkpoint {path}: {file} cannot be loaded safely ({why(e)}). Pickled code "
                 "and arbitrary objects are refused (weights_only=True) and were not run."
             ) from None
 
@@ -215,7 +215,7 @@ def check_safe_to_load(path: str, manifest: dict):
 #    DefaultLoadPlanner.load_bytes): we test-load each of those with weights_only=True first.
 #  - load_resharded restores model and optimizer of a DCP checkpoint into a model on any number of processes,
 #    sharded or not (DCP matches tensors by name and global offsets): a 2-process FSDP checkpoint resumes on 1.
-_DCP_META = ".metadata"
+DCP_META = ".metadata"
 # Every global a DCP `.metadata` names, as exact (module, name) pairs; found by unpickling the `.metadata` of real
 # FSDP checkpoints (torch 2.13) with a recording find_class. Besides these: torch's dtypes, ("torch", "float32")...
 _DCP_GLOBALS = (
@@ -285,7 +285,7 @@ def read_dcp_metadata(path: str, file: str):
             meta = _dcp_unpickler(f).load()
     except Exception as e:  # noqa: BLE001 - any failure means torch's pickle.load must not see it
         raise CheckpointError(
-            f"Checkpoint {path}: {file} cannot be loaded safely ({_why(e)}). Only the classes of "
+            f"Checkpoint {path}: {file} cannot be loaded safely ({why(e)}). Only the classes of "
             "torch.distributed.checkpoint metadata are admitted; nothing in it was run."
         ) from None
     if not _well_formed_dcp(meta):
@@ -337,13 +337,13 @@ def check_dcp_metadata_safe(path: str, manifest: dict):
     every non-tensor item of the `.distcp` files it points to with weights_only=True (torch loads those with
     weights_only=False). Raises CheckpointError naming the file; nothing in it runs."""
     for rel in manifest["files"]:
-        if not os.path.basename(rel).endswith(_DCP_META):
+        if not os.path.basename(rel).endswith(DCP_META):
             continue
         file = os.path.join(path, rel)
-        _check_dcp_storage(path, file, read_dcp_metadata(path, file))
+        check_dcp_storage(path, file, read_dcp_metadata(path, file))
 
 
-def _check_dcp_storage(path: str, file: str, meta):
+def check_dcp_storage(path: str, file: str, meta):
     """Every storage entry of a well-formed `meta` names a file of its folder; its non-tensor items load with
     weights_only=True."""
     import io
@@ -371,7 +371,7 @@ def _check_dcp_storage(path: str, file: str, meta):
                 torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any failure means torch's weights_only=False load must not see it
             raise CheckpointError(
-                f"Checkpoint {path}: {shard} (item {index.fqn}) cannot be loaded safely ({_why(e)}). Pickled code "
+                f"Checkpoint {path}: {shard} (item {index.fqn}) cannot be loaded safely ({why(e)}). Pickled code "
                 "and arbitrary objects are refused (weights_only=True) and were not run."
             ) from None
 
@@ -380,4 +380,4 @@ def is_sharded_checkpoint(path: str) -> bool:
     """A checkpoint whose model was saved sharded with DCP (an FSDP run)."""
     from accelerate.utils.constants import FSDP_MODEL_NAME
 
-    return os.path.isfile(os.path.join(path, f"{FSDP_MODEL_NAME}_0", _DCP_META))
+    return os.path.isfile(os.path.join(path, f"{FSDP_MODEL_NAME}_0", DCP_META))
