@@ -21,7 +21,7 @@ What `accelerator.save_state(tmp)` writes, with the same names and format (`load
 
 Several processes: the background threads talk over their own gloo group (a collective from a second thread on
 the training group could interleave with the training's collectives). After writing, the ranks exchange their
-outcome; the main process commits (manifest, rename, retention: checkpoint.save_checkpoint's own code) only when
+outcome; the main process commits (manifest, rename, retention: folder.save_checkpoint's own code) only when
 every rank wrote its part, and tells the others whether the commit worked. So every rank knows the same outcome,
 and the Trainer stops all of them at the same update (the preemption vote) when it is a failure.
 

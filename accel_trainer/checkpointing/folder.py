@@ -127,7 +127,7 @@ def save_checkpoint(
     when this process's files are in the temporary folder, before the commit (fault tests kill the run there).
     `write_extra(tmp)` writes this process's own extra state (a stream's position) while training waits, with
     --save_async too: it must be taken at this update, not when the background write ends.
-    With `async_writer` (async_save.AsyncWriter, --save_async) it returns once the state is copied: the model and
+    With `async_writer` (async_writer.AsyncWriter, --save_async) it returns once the state is copied: the model and
     optimizer files, then the same commit, follow in the background; the folder exists only once committed."""
     root = checkpoints_root(output_dir)
     final = os.path.join(root, f"step_{step}")
