@@ -125,12 +125,12 @@ def evaluate(accelerator, recipe, ctx, model, eval_loader) -> dict:
     return results
 
 
-def keep_if_best(accelerator, args, progress, results: dict, save_model):
+def keep_if_best(accelerator, args, best: float | None, step: int, results: dict, save_model) -> float | None:
     """output_dir/best/: model.safetensors (the evaluated weights, written by `save_model(path)`, which every rank
     calls) and best.json of the best evaluation so far, kept apart from checkpoints (save_total_limit never
-    deletes it). The best value lives in `progress`, which every checkpoint saves, so a resumed run keeps
-    comparing against it."""
-    name, p = args.metric_for_best_model, progress
+    deletes it). Returns the new best value when this evaluation at `step` beats `best` (None: it does not); the
+    caller keeps it in its Progress, which every checkpoint saves, so a resumed run keeps comparing against it."""
+    name = args.metric_for_best_model
     key = name if name in results else f"eval_{name}"
     if key not in results:
         raise UserError(
@@ -139,19 +139,17 @@ def keep_if_best(accelerator, args, progress, results: dict, save_model):
         )
     value = float(results[key])
     greater = _greater_is_better(args, key)
-    if not math.isfinite(value) or (
-        p.best_metric is not None and not (value > p.best_metric if greater else value < p.best_metric)
-    ):
-        return
-    p.best_metric, p.best_step = value, p.global_step
-    best = os.path.join(args.output_dir, "best")
+    if not math.isfinite(value) or (best is not None and not (value > best if greater else value < best)):
+        return None
+    folder = os.path.join(args.output_dir, "best")
     if accelerator.is_main_process:
-        os.makedirs(best, exist_ok=True)
-    save_model(os.path.join(best, "model.safetensors"))
+        os.makedirs(folder, exist_ok=True)
+    save_model(os.path.join(folder, "model.safetensors"))
     if accelerator.is_main_process:
-        with open(os.path.join(best, "best.json.tmp"), "w") as f:
-            json.dump({"step": p.global_step, "metric": key, "value": value, "greater_is_better": greater}, f)
-        os.replace(os.path.join(best, "best.json.tmp"), os.path.join(best, "best.json"))
+        with open(os.path.join(folder, "best.json.tmp"), "w") as f:
+            json.dump({"step": step, "metric": key, "value": value, "greater_is_better": greater}, f)
+        os.replace(os.path.join(folder, "best.json.tmp"), os.path.join(folder, "best.json"))
+    return value
 
 
 def _greater_is_better(args, key: str) -> bool:

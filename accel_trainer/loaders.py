@@ -1,9 +1,11 @@
 """The data loaders of a run, from a recipe's build_data, and the order the loop reads them in:
 
-    build_loaders          {"train", "eval"?, "collate"?, "loader"?} -> the train loader, the eval loader, the stream
+    build_loaders          {"train", "eval"?, "collate"?, "loader"?} -> the train loader, the eval loader, the data
+                           position (MapPosition, or streaming.Stream for a stream)
     check_lengths_agree    every rank's loaders give the same number of batches (one gather at start-up)
     take                   --max_train_samples / --max_eval_samples, for every kind of dataset
     epoch_batches          one epoch of the train loader from a batch on (a resumed run skips what it has seen)
+    MapPosition            where the run is in map-style data: windows from there, its state_dict, the run length
     accumulation_windows   the micro-batches of each optimizer update, aligned to epoch starts
 
 A stream (an iterable train dataset) is read through streaming.py's per-rank loader; everything else through the
@@ -12,8 +14,9 @@ recipe's own batch loader or a DataLoader that Accelerate shards over the proces
 
 from __future__ import annotations
 
+import math
+
 import torch
-from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from . import streaming
@@ -29,8 +32,8 @@ class UnevenLengthError(UserError):
 
 
 def build_loaders(data: dict, args, accelerator, recipe_name: str):
-    """build_data's {"train", "eval"?, "collate"?, "loader"?} -> (train loader, eval loader or None, the train
-    stream: a streaming.Stream, or None for map-style data). Datasets are cut to --max_train_samples/
+    """build_data's {"train", "eval"?, "collate"?, "loader"?} -> (train loader, eval loader or None, the data
+    position: a streaming.Stream for a stream, else a MapPosition). Datasets are cut to --max_train_samples/
     --max_eval_samples here, for every recipe; then either the recipe's `loader(dataset, batch_size=, train=,
     drop_last=)` batches them (a batch loader, or None for ours) or a DataLoader that Accelerate shards over the
     processes."""
@@ -49,7 +52,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
         if streaming.is_iterable_dataset(dataset):
             batches = _stream_loader(dataset, train, data, args, recipe_name)
             group = streaming.epoch_group(accelerator, args.ddp_timeout)
-            stream = streaming.Stream(batches, accelerator.process_index, group)
+            stream = streaming.Stream(batches, accelerator.process_index, group, accelerator.device)
             return batches
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(
@@ -85,7 +88,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
         )
 
     train = loader(data["train"], True)
-    return train, loader(data.get("eval"), False), stream
+    return train, loader(data.get("eval"), False), stream or MapPosition(train, accelerator)
 
 
 def check_lengths_agree(accelerator, train_loader, eval_loader, recipe_name: str):
@@ -154,11 +157,8 @@ def take(dataset, n: int | None):
     return dataset.select(range(n)) if hasattr(dataset, "select") else Subset(dataset, range(n))
 
 
-def epoch_batches(loader, epoch: int, skip: int, accelerator, stream: bool = False):
+def epoch_batches(loader, epoch: int, skip: int, accelerator):
     """An iterator over epoch `epoch` of the train loader from batch `skip` on, on the device."""
-    if stream:  # fetch_batch(): the stream from its current position (which is the loader's)
-        streaming.set_epoch(loader, epoch)
-        return (send_to_device(b, accelerator.device, non_blocking=loader.pin_memory) for b in loader)
     loader.set_epoch(epoch)  # the order is a function of (seed, epoch) only
     if skip == 0:
         return iter(loader)
@@ -170,6 +170,66 @@ def epoch_batches(loader, epoch: int, skip: int, accelerator, stream: bool = Fal
     for _ in range(skip):
         next(it)
     return it
+
+
+class MapPosition:
+    """Where a run is in its map-style training data: `epoch`, and `batch_in_epoch` (micro-batches of the epoch
+    consumed, always a window boundary). The data position's interface, which streaming.Stream shares: windows()
+    from the position on, moving it as each window is handed out (so a checkpoint written after a window's update
+    resumes right after it); state_dict()/load_state_dict() for trainer_state.json; save_rank_files()/
+    load_rank_files() for per-rank state (none here: the position is a function of the samples seen, the same on
+    any world size); run_length(); epoch_float(); batches() for fetch_batch()."""
+
+    per_rank = False  # the position moves to another world size (checkpointing.resume.resumed_position)
+
+    def __init__(self, loader, accelerator):
+        self.loader, self.accelerator = loader, accelerator
+        self.epoch = self.batch_in_epoch = 0
+        self.batches_per_epoch: int | None = None
+
+    def run_length(self, args, eval_loader, recipe_name: str) -> tuple[int, int, int]:
+        """(micro-batches per epoch on this rank, updates per epoch, total updates)."""
+        # before the zero check: a rank that raised alone would leave the others waiting in this collective
+        check_lengths_agree(self.accelerator, self.loader, eval_loader, recipe_name)
+        micro_batches = len(self.loader)
+        if micro_batches == 0:
+            raise UserError(
+                "The training data gives no batch on this process: fewer samples than "
+                "per_device_train_batch_size x processes? Lower the batch size or add data."
+            )
+        self.batches_per_epoch = micro_batches
+        updates = math.ceil(micro_batches / args.gradient_accumulation_steps)
+        total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates)
+        return micro_batches, updates, total
+
+    def windows(self, accumulation: int):
+        L = self.batches_per_epoch
+        for epoch, position, window in accumulation_windows(
+            self.batches, L, accumulation, self.epoch, self.batch_in_epoch
+        ):
+            self.epoch, self.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
+            yield window
+
+    def batches(self, epoch: int, skip: int = 0):
+        return epoch_batches(self.loader, epoch, skip, self.accelerator)
+
+    def epoch_float(self) -> float:
+        return self.epoch + self.batch_in_epoch / self.batches_per_epoch
+
+    def epoch_just_ended(self) -> bool:
+        return self.batch_in_epoch == 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict):
+        self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
+
+    def save_rank_files(self, folder: str):
+        pass
+
+    def load_rank_files(self, folder: str):
+        pass
 
 
 def accumulation_windows(epoch_batches, batches_per_epoch: int, accumulation: int, epoch: int = 0, start: int = 0):

@@ -35,7 +35,7 @@ def run(recipe, argv: list[str] | None = None) -> dict:
     except OSError as e:  # a full disk outside a checkpoint or model write (run_config.json, a log row): one line
         if e.errno not in (errno.ENOSPC, errno.EDQUOT) or output_dir is None:
             raise
-        from .checkpoint import DiskFullError, disk_full_is_one_line
+        from .checkpointing.folder import DiskFullError, disk_full_is_one_line
 
         try:
             with disk_full_is_one_line(output_dir, e.filename or f"into {output_dir}"):

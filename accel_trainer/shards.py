@@ -10,7 +10,7 @@ import os
 import torch
 from accelerate.utils import DistributedType
 
-from .checkpoint import write_file_atomically
+from .checkpointing.folder import write_file_atomically
 from .errors import UserError
 
 

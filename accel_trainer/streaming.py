@@ -91,8 +91,9 @@ _END = object()
 
 
 class Stream:
-    """This rank's stream of training windows and its position: `state` is the loader's state_dict() right after
-    the last window handed out (None: the start of `progress.epoch`).
+    """This rank's stream of training windows and its position (the data position of loaders.MapPosition's
+    interface): `epoch` and `batch_in_epoch` are this rank's counters, `state` the loader's state_dict() right after
+    the last window handed out (None: the start of `epoch`).
 
     Why we look one batch ahead: a loader whose state was saved after its last batch, before it said the epoch
     had ended, does not end that epoch when restored: with workers, torchdata's StatefulDataLoader starts it over
@@ -107,8 +108,21 @@ class Stream:
     update, beside the data wait; it never waits for the device.
     """
 
-    def __init__(self, loader, rank: int, group=None):
-        self.loader, self.rank, self.state, self.group = loader, rank, None, group
+    per_rank = True  # each rank reads its own part: the position cannot move to another world size
+
+    def __init__(self, loader, rank: int, group=None, device=None):
+        self.loader, self.rank, self.state, self.group, self.device = loader, rank, None, group, device
+        self.epoch = self.batch_in_epoch = 0
+
+    def run_length(self, args, eval_loader, recipe_name: str) -> tuple[None, None, int]:
+        """A stream's length is unknown: the run length is --max_steps, an epoch ends when the stream does."""
+        return None, None, args.max_steps
+
+    def epoch_float(self) -> float:
+        return float(self.epoch)  # the stream's length is unknown: whole epochs of this rank only
+
+    def epoch_just_ended(self) -> bool:
+        return False  # no evaluation at an epoch's end: a stream's epochs end at other updates on each rank
 
     def _any_ended(self, ended: bool) -> bool:
         if self.group is None:
@@ -117,13 +131,13 @@ class Stream:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return bool(flag.item())  # a CPU tensor: no device sync
 
-    def windows(self, accumulation: int, device, progress):
-        """Yield lists of `accumulation` micro-batches (on `device`) forever: an epoch is one pass over this rank's
-        stream (its last window may be shorter), then the next begins. `progress.epoch`/`batch_in_epoch` are this
-        rank's counters; with several processes every rank ends an epoch when the first rank's stream ends."""
+    def windows(self, accumulation: int):
+        """Yield lists of `accumulation` micro-batches (on the device) forever: an epoch is one pass over this
+        rank's stream (its last window may be shorter), then the next begins. With several processes every rank
+        ends an epoch when the first rank's stream ends."""
         while True:
-            set_epoch(self.loader, progress.epoch)
-            it, fresh = iter(self.loader), progress.batch_in_epoch == 0
+            set_epoch(self.loader, self.epoch)
+            it, fresh = iter(self.loader), self.batch_in_epoch == 0
             ended = False
 
             def pull():
@@ -135,7 +149,7 @@ class Stream:
             batch = pull()
             if batch is _END and fresh:
                 raise StreamError(
-                    f"The training stream gave no batch in epoch {progress.epoch} on rank {self.rank}: fewer "
+                    f"The training stream gave no batch in epoch {self.epoch} on rank {self.rank}: fewer "
                     "examples than per_device_train_batch_size there? Add data (or shards), or lower the batch size."
                 )
             while batch is not _END:
@@ -146,18 +160,30 @@ class Stream:
                 batch = pull()  # look ahead: does the epoch end with this window (on any rank)?
                 if self._any_ended(batch is _END):
                     batch = _END  # this rank's unread rest of the epoch is dropped with its iterator
-                    progress.epoch, progress.batch_in_epoch, self.state = progress.epoch + 1, 0, None
+                    self.epoch, self.batch_in_epoch, self.state = self.epoch + 1, 0, None
                 else:
-                    progress.batch_in_epoch, self.state = progress.batch_in_epoch + len(window), state
-                yield [send_to_device(b, device, non_blocking=self.loader.pin_memory) for b in window]
+                    self.batch_in_epoch, self.state = self.batch_in_epoch + len(window), state
+                yield [send_to_device(b, self.device, non_blocking=self.loader.pin_memory) for b in window]
 
-    def save(self, folder: str, progress):
+    def batches(self, epoch: int, skip: int = 0):
+        """fetch_batch(): the stream from its current position (which is the loader's; `skip` is not needed)."""
+        set_epoch(self.loader, epoch)
+        return (send_to_device(b, self.device, non_blocking=self.loader.pin_memory) for b in self.loader)
+
+    def state_dict(self) -> dict:
+        """For trainer_state.json (the main process's counters); each rank's own are its per-rank file."""
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict):
+        self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
+
+    def save_rank_files(self, folder: str):
         """This rank's position: its epoch and batch counters and the loader's state (plain containers, ints and
         tensors, so the checkpoint check test-loads it with weights_only)."""
-        state = {"epoch": progress.epoch, "batch_in_epoch": progress.batch_in_epoch, "loader": self.state}
+        state = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": self.state}
         torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.rank)))
 
-    def load(self, folder: str, progress):
+    def load_rank_files(self, folder: str):
         path = os.path.join(folder, STATE_FILE.format(rank=self.rank))
         if not os.path.isfile(path):
             raise StreamError(
@@ -166,7 +192,7 @@ class Stream:
                 "number of processes, or start anew (--overwrite_output_dir)."
             )
         state = torch.load(path, weights_only=True)
-        progress.epoch, progress.batch_in_epoch, self.state = state["epoch"], state["batch_in_epoch"], state["loader"]
-        set_epoch(self.loader, progress.epoch)
+        self.epoch, self.batch_in_epoch, self.state = state["epoch"], state["batch_in_epoch"], state["loader"]
+        set_epoch(self.loader, self.epoch)
         if self.state is not None:
             self.loader.load_state_dict(self.state)

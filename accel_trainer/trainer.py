@@ -2,7 +2,7 @@
 
     __init__   take the resolved arguments (resolve.py), configure the process and build the Accelerator
                (accel.configure_process), then the recipe's model, loaders (loaders.py), optimizer and scheduler
-               (optim.py by default), prepare; resume (checkpoint.resume) when a checkpoint is named
+               (optim.py by default), prepare; resume (checkpointing/manager.py) when a checkpoint is named
     fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
     update     one optimizer update (update.py: item-weighted accumulation, clip, step, schedule, EMA); the step count
     evaluate   evaluation.py: every eval sample once on any world size, the metrics, the best model kept; the
@@ -17,9 +17,9 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -27,15 +27,14 @@ from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
 from accelerate.utils import DistributedType, set_seed
-from safetensors.torch import save_model
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import checkpoint as ckpt
 from . import evaluation, faults, loaders, nan_batch, precision, preflight, sharding
 from .accel import configure_process
 from .args import TrainingArguments
+from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
 from .errors import UserError
 from .events import Events
 from .optim import default_optimizer, default_scheduler
@@ -48,12 +47,7 @@ from .resolve import (
 )
 from .runlog import Reporter, library_versions, topology
 from .throughput import Meter, detected_peak_tflops, host_floats
-from .update import Updater, is_plain_torch, registered_comm_hook
-
-AFTER_TRAINING_TRACEBACK = "error_after_training.txt"  # a bug's traceback, named by AfterTrainingError's line
-PREVIOUS_RUN_FILES = (
-    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK
-)  # fmt: skip
+from .update import Updater, registered_comm_hook
 
 
 class NonFiniteLossError(UserError):
@@ -66,14 +60,29 @@ class AfterTrainingError(UserError):
 
 @dataclass
 class Progress:
-    """Where the run is; saved in every checkpoint (trainer_state.json)."""
+    """How far the run is; saved in every checkpoint (trainer_state.json). Where it is in the data (epoch, batch in
+    the epoch) is the data position's (loaders.MapPosition, streaming.Stream). Written only by its methods below,
+    which only the Trainer calls (an update, a new best evaluation, a resume)."""
 
     global_step: int = 0  # optimizer updates done (attempted, including fp16- and NaN-skipped ones)
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of the current epoch already consumed (always a window boundary)
     skipped_steps: int = 0  # fp16 overflow skips + non-finite skips
     best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
     best_step: int | None = None
+
+    def updated(self, stepped: bool):
+        self.global_step += 1
+        self.skipped_steps += not stepped
+
+    def new_best(self, value: float):
+        self.best_metric, self.best_step = value, self.global_step
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict):
+        """A checkpoint's values; a field it lacks (an older checkpoint) keeps its default."""
+        for name, default in asdict(Progress()).items():
+            setattr(self, name, state.get(name, default))
 
 
 class Trainer:
@@ -87,7 +96,7 @@ class Trainer:
         # run_config.json ("process"); the world is known from here on.
         self.accelerator, self.process = configure_process(args)
         acc = self.accelerator
-        resume_path = self._prepare_output_dir()  # checked on every rank before any rank writes
+        resume_path, kept_best = prepare_output_dir(acc, args)  # checked on every rank before any rank writes
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         self.events = Events()
         for event, handler in self.recipe.events.items():
@@ -101,11 +110,11 @@ class Trainer:
         # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
         set_seed(args.seed)
         model = self._build_model()
-        self.train_loader, self.eval_loader, self._train_stream = loaders.build_loaders(
+        # self.data: where the run is in its data (loaders.MapPosition, or streaming.Stream for a stream)
+        self.train_loader, self.eval_loader, self.data = loaders.build_loaders(
             self.recipe.build_data(self.ctx), args, acc, self.recipe.name
         )
-        self.streaming = self._train_stream is not None  # a stream (streaming.py) has no length
-        if args.dataloader_num_workers and not self.streaming and not isinstance(self.train_loader, DataLoader):
+        if args.dataloader_num_workers and not isinstance(self.train_loader, DataLoader):  # a stream's is one
             self.reporter.print(
                 f"note: --dataloader_num_workers {args.dataloader_num_workers} does nothing here: recipe "
                 f"{self.recipe.name} batches its data itself (build_data's 'loader'), in the training process."
@@ -120,19 +129,24 @@ class Trainer:
         self.ema = self._build_ema()  # None without --ema_decay
 
         # The run's state, and the components that own theirs.
-        self.progress = Progress(**self._kept_best)
-        self._log_window: list = []  # (loss tensor, grad norm, step) per update since the last log
-        self._nan_batches = nan_batch.Tracker(keep_batches=self.streaming)  # --nan_policy stop: which batch
+        self.progress = Progress(**kept_best)
+        self._log_window: list = []  # (loss tensor, grad norm, step, stepped) per update since the last log
+        self._nan_batches = nan_batch.Tracker(keep_batches=self.data.per_rank)  # --nan_policy stop: which batch
         self._train_iter = None  # fetch_batch()'s position
-        self._saved_step = None
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
         self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
-        self._writer = self._async_writer() if args.save_async else None
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
             preemption=self.preemption,
+        )  # fmt: skip
+        self.checkpoints = CheckpointManager(
+            acc, args, state=[self.progress, self.data, self.updater], data=self.data, model=self.model,
+            optimizer=self.optimizer, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
+            fire=lambda event, *a: self.events.fire(event, self, *a), before_save=self.log,
+            save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
+            if self.sharded else None,
         )  # fmt: skip
         if args.profile_steps:
             self._attach_profiler()
@@ -141,7 +155,7 @@ class Trainer:
         if args.trackers:
             acc.init_trackers(args.run_name or self.recipe.name, config=self._flat_config())
         if resume_path:
-            self._resume(resume_path)
+            self.checkpoints.resume(resume_path)
 
     @classmethod
     def from_recipe(cls, recipe, quiet: bool = False, **values) -> Trainer:
@@ -161,16 +175,9 @@ class Trainer:
 
     @property
     def epoch(self) -> int:
-        return self.progress.epoch
+        return self.data.epoch
 
     # ---------------------------------------------------------------------------------------------------- set-up
-    def _prepare_output_dir(self) -> str | None:
-        """The checkpoint to resume from (None: a new run), once every rank has checked output_dir; then it exists."""
-        resume_path = self._check_output_dir()
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            os.makedirs(self.args.output_dir, exist_ok=True)
-        return resume_path
 
     def _context(self) -> RecipeContext:
         acc = self.accelerator
@@ -182,57 +189,6 @@ class Trainer:
             accelerator=acc,
             given=self.given,
         )
-
-    def _check_output_dir(self) -> str | None:
-        """The verified checkpoint to resume from (None: a new run), and a clean output_dir for a new run.
-        'auto' (and any elastic restart, see faults.py) resumes when there is a checkpoint and starts anew when
-        there is none, replacing the logs of an attempt that died before its first checkpoint."""
-        args, out = self.args, self.args.output_dir
-        self._kept_best = {}  # Progress fields: the best evaluation of an earlier attempt whose best/ is kept
-        spec = faults.effective_resume_spec(args.resume_from_checkpoint)
-        if spec:
-            path = ckpt.resolve_on_main(self.accelerator, spec, out)
-            if path is not None:
-                return path
-        previous = [f for f in PREVIOUS_RUN_FILES if os.path.exists(os.path.join(out, f))]
-        leftovers = spec is not None and spec.startswith("auto") and "model.safetensors" not in previous
-        if previous and not (args.overwrite_output_dir or leftovers):
-            raise FileExistsError(
-                f"output_dir {out} holds a previous run ({', '.join(previous)}). {ckpt.previous_run_advice(out)}"
-            )
-        if leftovers and not args.overwrite_output_dir and "best" in previous:
-            previous.remove("best")
-            self._keep_best(out)
-        if previous:
-            self.accelerator.wait_for_everyone()  # every rank has checked before the main one deletes
-            if self.accelerator.is_main_process:
-                for f in previous:
-                    path = os.path.join(out, f)
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        return None
-
-    def _keep_best(self, out: str):
-        """An attempt that died before its first checkpoint (started again with 'auto') may have written best/:
-        the new attempt keeps it and compares against its record, replacing it only when it evaluates better.
-        One that cannot be compared against (another metric, no best.json) is moved aside, never deleted."""
-        record = evaluation.previous_best(self.args, out)
-        if record is not None:
-            self._kept_best = {"best_metric": record["value"], "best_step": record["step"]}
-            found = f"step {record['step']}, {record['metric']} {record['value']:.6g}"
-            what = f"kept ({found}) until this run evaluates better"
-        else:
-            self.accelerator.wait_for_everyone()  # every rank has read best/ before it moves
-            aside = os.path.join(out, f"best.previous-{time.strftime('%Y%m%d-%H%M%S')}")
-            if self.accelerator.is_main_process:
-                os.replace(os.path.join(out, "best"), aside)
-            what = f"moved to {aside}: this run cannot compare against it (another metric, or no best.json)"
-        if self.accelerator.is_main_process:
-            print(
-                f"Starting over (no checkpoint in {ckpt.checkpoints_root(out)}); the best model of the attempt before, "
-                f"{os.path.join(out, 'best')}, is {what}.",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def _build_model(self) -> torch.nn.Module:
         model = self.recipe.build_model(self.ctx)
@@ -254,20 +210,7 @@ class Trainer:
     def _run_length(self) -> tuple[int | None, int | None, int]:
         """(micro-batches per epoch on this rank, updates per epoch, total updates). A stream's length is unknown
         (None): the run length is --max_steps, an epoch ends when the stream does."""
-        args = self.args
-        if self.streaming:
-            return None, None, args.max_steps
-        # before the zero check: a rank that raised alone would leave the others waiting in this collective
-        loaders.check_lengths_agree(self.accelerator, self.train_loader, self.eval_loader, self.recipe.name)
-        micro_batches = len(self.train_loader)
-        if micro_batches == 0:
-            raise UserError(
-                "The training data gives no batch on this process: fewer samples than "
-                "per_device_train_batch_size x processes? Lower the batch size or add data."
-            )
-        updates = math.ceil(micro_batches / args.gradient_accumulation_steps)
-        total = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates)
-        return micro_batches, updates, total
+        return self.data.run_length(self.args, self.eval_loader, self.recipe.name)
 
     def _prepare(self, model):
         """((model, optimizer, scheduler) prepared by Accelerate, what sharding learned). Under FSDP
@@ -359,19 +302,17 @@ class Trainer:
         peers = faults.peer_failures(
             self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step, args.output_dir
         )
-        with self._no_write_left_behind(), self.preemption, peers:
+        with self.checkpoints.guard(), self.preemption, peers:
             for window in preflight.checked(self, self.windows()):  # micro-batches of one update; the first checked
                 self.update(window)
                 self.events.fire("update_end", self)
-                self._announce_written()
+                self.checkpoints.announce_written()
                 bar.update(1)
                 step, last = p.global_step, p.global_step >= self.total_steps
                 if step % args.logging_steps == 0 or last:
                     self.log(bar)
                 # at an epoch's end; not for a stream, whose epochs end at other updates on each rank
-                eval_due = (
-                    step % args.eval_steps == 0 if args.eval_steps else p.batch_in_epoch == 0 and not self.streaming
-                )
+                eval_due = step % args.eval_steps == 0 if args.eval_steps else self.data.epoch_just_ended()
                 if not last and self.eval_loader is not None and eval_due:
                     with self.meter.paused():  # not update time in the log rows
                         metrics = self.evaluate()
@@ -379,11 +320,11 @@ class Trainer:
                     with self.meter.paused():
                         self.save_checkpoint()
                 if not last and self.preemption.agreed():  # a signal reached some rank by the previous update
-                    self._preempt(bar)
+                    self.checkpoints.preempt(bar)
                 if last:
                     break
         bar.close()
-        with self._no_write_left_behind():  # the final checkpoint's write too (Ctrl-C while it is waited for)
+        with self.checkpoints.guard():  # the final checkpoint's write too (Ctrl-C while it is waited for)
             return self._finish(metrics)
 
     def _finish(self, metrics: dict) -> dict:
@@ -392,11 +333,11 @@ class Trainer:
         model file that cannot be written still leaves the final checkpoint; a failure after training is one line
         saying where they are (AfterTrainingError). A resumed finished checkpoint evaluates again, without an
         update, so the final evaluation need not be in it."""
-        self._wait_for_checkpoint()  # the loop's last background write is committed before anything else
+        self.checkpoints.wait()  # the loop's last background write is committed before anything else
         saved = []
         if self.args.save_steps:
             saved.append(self.save_checkpoint())
-            self._wait_for_checkpoint()  # committed before the model file is written
+            self.checkpoints.wait()  # committed before the model file is written
         saved.insert(0, self.save_model())
         failed = None
         try:
@@ -438,37 +379,6 @@ class Trainer:
             f"{detail.rstrip('.')}. The weights are safe: {again}."
         )
 
-    @contextlib.contextmanager
-    def _no_write_left_behind(self):
-        """Around fit()'s loop and its end. Whatever ends them early (an exception, Ctrl-C, a NaN stop, a dead peer;
-        a preemption has already waited), a checkpoint still being written in the background is committed, or
-        cleanly absent, before the error goes on. Left to the interpreter's exit, the daemon thread would be stopped
-        mid-write (or abort the process inside torch) and the checkpoint lost. Bounded by the writer's timeout."""
-        try:
-            yield
-        except BaseException:
-            w = self._writer
-            if w is not None and w.in_flight():
-                self._finish_write_on_the_way_out(w)
-            raise
-
-    def _finish_write_on_the_way_out(self, w):
-        from .async_save import CheckpointWriteError
-
-        path = self._pending_path
-        try:
-            if w.pending():
-                self.reporter.print(
-                    f"Stopping: first finishing the checkpoint {path} being written in the background (at most "
-                    f"{w.timeout_s} s; interrupt again to abandon it)."
-                )
-            self._wait_for_checkpoint()
-            self.reporter.print(f"Checkpoint {path} committed; resume with --resume_from_checkpoint latest.")
-        except CheckpointWriteError as e:  # the error that ends the run goes on; this one is said, not lost
-            print(f"warning: {e}", file=sys.stderr, flush=True)
-        finally:
-            w.close()  # the run stops: the writer's group is not left to the interpreter's teardown
-
     def _progress_bar(self):
         # Not on a terminal (a log file, a SLURM job), a bar would flood the log: the plain line per log row stays.
         quiet = self.args.disable_tqdm or not self.accelerator.is_main_process or not sys.stderr.isatty()
@@ -478,38 +388,22 @@ class Trainer:
         """Accumulation windows from the current position on; the position moves as each window is handed out,
         so a checkpoint written after the update of a window resumes right after it. The time spent here, between
         handing out two windows, is the time spent waiting for data."""
-        p, L = self.progress, self.micro_batches_per_epoch
-        if p.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
+        if self.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
             return
         asked = time.perf_counter()
-        if self.streaming:  # the position is the loader's state; streaming.Stream moves the counters
-            for window in self._train_stream.windows(self.args.gradient_accumulation_steps, self.accelerator.device, p):
-                self.meter.waited(time.perf_counter() - asked)
-                yield window
-                asked = time.perf_counter()
-            return
-        for epoch, position, window in loaders.accumulation_windows(
-            self._epoch_batches, L, self.args.gradient_accumulation_steps, p.epoch, p.batch_in_epoch
-        ):
-            p.epoch, p.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
+        for window in self.data.windows(self.args.gradient_accumulation_steps):  # the data position moves
             self.meter.waited(time.perf_counter() - asked)
             yield window
             asked = time.perf_counter()
 
-    def _epoch_batches(self, epoch: int, skip: int):
-        return loaders.epoch_batches(self.train_loader, epoch, skip, self.accelerator, stream=self.streaming)
-
     def update(self, window: list, schedule: bool = True):
         """One optimizer update over a window of micro-batches (this rank's share of the global batch; update.py).
         Returns the mean loss over every item of the global batch (a tensor; no host sync)."""
-        p = self.progress
         done = self.updater(window, schedule=schedule)
-        if not done.stepped:
-            p.skipped_steps += 1
-        p.global_step += 1
-        self._log_window.append((done.loss, done.grad_norm if done.stepped else None, p.global_step))
+        self.progress.updated(done.stepped)
+        self._log_window.append((done.loss, done.grad_norm, self.global_step, done.stepped))
         if self.args.nan_policy == "stop":  # which batch, should this window's row see a non-finite value
-            self._nan_batches.record(self.updater.micro_losses, window, p, self.micro_batches_per_epoch)
+            self._nan_batches.record(self.updater.micro_losses, window, self.data, self.micro_batches_per_epoch)
         return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
@@ -518,10 +412,11 @@ class Trainer:
             return None
         window = self._log_window
         # --nan_policy stop checks the updates' gradient norms with their losses.
-        checked = [i for i, (_, g, _) in enumerate(window) if g is not None] if self.args.nan_policy == "stop" else []
+        stop = self.args.nan_policy == "stop"
+        checked = [i for i, (_, g, _, stepped) in enumerate(window) if g is not None and stepped] if stop else []
         # The window's values as Python floats in one call (throughput.host_floats: no host sync per value on an
         # accelerator); the finiteness test and the mean are arithmetic on the list, not tensor ops.
-        values = host_floats([v for v, _, _ in window] + [window[i][1] for i in checked])
+        values = host_floats([v for v, *_ in window] + [window[i][1] for i in checked])
         losses = values[: len(window)]
         all_finite = all(map(math.isfinite, values))
         if not all_finite and self.args.nan_policy == "stop":
@@ -532,8 +427,8 @@ class Trainer:
             "loss": loss,
             "learning_rate": self.scheduler.get_last_lr()[0],
         }
-        if self.updater.grad_norm is not None:
-            metrics["grad_norm"] = float(self.updater.grad_norm)
+        if self.args.max_grad_norm > 0 and window[-1][1] is not None:  # the last update's norm, when clipping
+            metrics["grad_norm"] = float(window[-1][1])
         if self.accelerator.scaler is not None:
             metrics["loss_scale"] = self.accelerator.scaler.get_scale()
         if self.progress.skipped_steps or self.accelerator.scaler is not None or self.args.nan_policy == "skip":
@@ -560,7 +455,7 @@ class Trainer:
             what = f"Loss is {loss}" if not math.isfinite(loss) else f"The gradient norm is {norm} (loss {loss:.4g})"
             step = self._log_window[first][2]
             where = nan_batch.describe(
-                self._nan_batches, first, step, loader=self.train_loader, stream=self.streaming,
+                self._nan_batches, first, step, loader=self.train_loader, stream=self.data.per_rank,
                 accelerator=self.accelerator, output_dir=self.args.output_dir,
             )  # fmt: skip
             raise NonFiniteLossError(
@@ -570,9 +465,7 @@ class Trainer:
             )
 
     def _epoch_float(self) -> float:
-        if self.streaming:  # the stream's length is unknown: whole epochs of this rank only
-            return float(self.progress.epoch)
-        return self.progress.epoch + self.progress.batch_in_epoch / self.micro_batches_per_epoch
+        return self.data.epoch_float()
 
     # ------------------------------------------------------------------------------------------------ evaluation
     def gather_eval(self, out: dict) -> dict:
@@ -597,126 +490,22 @@ class Trainer:
         if results:
             self.reporter.log(results, self.global_step, self._epoch_float())
             if self.args.metric_for_best_model:
-                evaluation.keep_if_best(self.accelerator, self.args, self.progress, results, self.save_model)
+                p = self.progress
+                best = evaluation.keep_if_best(
+                    self.accelerator, self.args, p.best_metric, p.global_step, results, self.save_model
+                )
+                if best is not None:
+                    p.new_best(best)
         return results
 
     # ---------------------------------------------------------------------------------------------- checkpoints
-    def state(self) -> dict:
-        return {
-            **asdict(self.progress),
-            "num_processes": self.accelerator.num_processes,
-            "per_device_train_batch_size": self.args.per_device_train_batch_size,
-            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-            "seed": self.args.seed,
-            **self.updater.state(),  # update.py's K: a resumed DDP run scales its gradients the same
-        }
-
     def save_checkpoint(self) -> str:
-        if self._log_window:
-            self.log()  # also stops on a non-finite loss before anything is written over a good checkpoint
-        self._wait_for_checkpoint()  # one write at a time: the staging memory is reused, the order kept
-        path = ckpt.save_checkpoint(
-            self.accelerator,
-            self.args.output_dir,
-            self.global_step,
-            self.state(),
-            ema=self.ema,
-            save_total_limit=self.args.save_total_limit,
-            on_staged=lambda folder: self.events.fire("checkpoint_staged", self, folder),
-            async_writer=self._writer,
-            write_extra=self._save_data_state,  # a stream's position at this update, also under --save_async
-        )
-        self._saved_step = self.global_step
-        if self._writer is None:
-            self.events.fire("checkpoint_written", self, path)
-        else:
-            self._pending_path = path  # checkpoint_written fires once it is committed
-        return path
-
-    def _save_data_state(self, folder: str):
-        """Every rank: its position in its stream (streaming.py), next to accelerate's per-rank RNG files."""
-        if self.streaming:
-            self._train_stream.save(folder, self.progress)
-
-    # --save_async (async_save.py): the write runs in the background; a failure stops every rank at one update.
-    def _async_writer(self):
-        from .async_save import AsyncWriter
-
-        if not (is_plain_torch(self.accelerator) or self.sharded):
-            raise UserError(
-                f"--save_async supports one process, DDP and FSDP2, not {self.accelerator.distributed_type}; "
-                "drop --save_async."
-            )
-        writer = AsyncWriter(self.accelerator, self.args.ddp_timeout)
-        # Every rank learns the same outcome, so every rank votes to stop: they stop at the same update (the
-        # preemption vote), where _preempt waits for the write and raises its one-line error.
-        writer.on_failure = self.preemption.request_stop
-        self._pending_path = None
-        return writer
-
-    def _announce_written(self):
-        if self._writer is not None and self._pending_path is not None and not self._writer.pending():
-            if self._writer.error is None:
-                self.events.fire("checkpoint_written", self, self._pending_path)
-                self._pending_path = None
-
-    def _wait_for_checkpoint(self):
-        """The pending background write is over (raising its failure), and announced."""
-        if self._writer is not None:
-            self._writer.wait()  # in fit() inside meter.paused(): not update time
-            self._announce_written()
-
-    def _preempt(self, progress_bar=None):
-        """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
-        self._wait_for_checkpoint()  # a failed background write stops the run here, with its own message
-        path = (
-            os.path.join(ckpt.checkpoints_root(self.args.output_dir), f"step_{self.global_step}")
-            if self._saved_step == self.global_step
-            else self.save_checkpoint()
-        )
-        self._wait_for_checkpoint()
-        if progress_bar is not None:
-            progress_bar.close()
-        self.accelerator.end_training()
-        self.reporter.print(
-            f"Preempted ({self.preemption.signal_name or 'signal on another rank'}): checkpoint "
-            f"{path} at step {self.global_step}; {faults.preempted_exit()}. Resume "
-            "with --resume_from_checkpoint latest."
-        )
-        raise faults.Preempted(path, self.global_step)
-
-    def _resume(self, path: str):
-        """Continue the run from the verified checkpoint `path` (checkpoint.resume: the weights, optimizer and RNG
-        states, and this rank's position for any world size); the progress and, for a stream, its position."""
-        state, position = ckpt.resume(
-            self.accelerator, path, self.args, self.model, self.optimizer, ema=self.ema, streaming=self.streaming,
-            say=self.reporter.print,
-        )  # fmt: skip
-        self.progress = Progress(**{k: state.get(k) for k in asdict(Progress()) if k in state})
-        self.progress.batch_in_epoch = position
-        self.updater.load(state)
-        if self.streaming:  # this rank's epoch, batch counter and stream position (they differ by rank)
-            self._train_stream.load(path, self.progress)
-        moved = "" if state["num_processes"] == self.accelerator.num_processes else (
-            f", written by {state['num_processes']} processes: batch {state['batch_in_epoch']} there"
-        )  # fmt: skip
-        self.reporter.print(
-            f"Resumed from {path} at step {self.global_step} (epoch {self.epoch}, batch {position}{moved})."
-        )
+        """A checkpoint of this update (checkpointing.manager; --save_async: written in the background)."""
+        return self.checkpoints.save()
 
     def save_model(self, path: str | None = None) -> str:
         """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
-        path = path or os.path.join(self.args.output_dir, "model.safetensors")
-        if self.sharded:  # every rank takes part in gathering the shards; the main process writes
-            return sharding.save_full_model(self.accelerator, self.model, path, self.args.output_dir)
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            model = self.ema.module if self.ema is not None else self.unwrapped_model
-            ckpt.write_file_atomically(
-                path, lambda tmp: save_model(model, tmp), self.args.output_dir, f"the model to {path}"
-            )
-        self.accelerator.wait_for_everyone()
-        return path
+        return self.checkpoints.save_model(path)
 
     # ----------------------------------------------------------------------------------- notebook / debugging
     @property
@@ -726,11 +515,11 @@ class Trainer:
     def fetch_batch(self):
         """The next training batch (on the device), continuing across epochs."""
         if self._train_iter is None:
-            self._train_iter = self._epoch_batches(self.epoch, 0)
+            self._train_iter = self.data.batches(self.epoch, 0)
         try:
             return next(self._train_iter)
         except StopIteration:
-            self._train_iter = self._epoch_batches(self.epoch + 1, 0)
+            self._train_iter = self.data.batches(self.epoch + 1, 0)
             return next(self._train_iter)
 
     def train_step(self, batch=None, schedule: bool = True) -> float:

@@ -50,13 +50,15 @@ def is_plain_torch(accelerator) -> bool:
 @dataclass
 class Result:
     loss: torch.Tensor  # the mean over every item of the global batch (no host sync)
-    grad_norm: torch.Tensor | None  # the global gradient norm checked by --nan_policy (None under fp16)
+    grad_norm: torch.Tensor | None  # Updater.grad_norm: this update's global gradient norm before clipping
     stepped: bool  # False: skipped (fp16 overflow, or a non-finite loss/norm under --nan_policy skip)
 
 
 class Updater:
-    """`updater(window)` runs one optimizer update; `updater.grad_norm` is the last one's clipped norm (None: not
-    clipped, or the update was skipped for a non-finite loss)."""
+    """`updater(window)` runs one optimizer update. `updater.grad_norm` (and its Result's) is that update's global
+    gradient norm before clipping, one value with one meaning: measured when clipping (--max_grad_norm) or, without
+    a GradScaler, for --nan_policy's check; None when not measured, or when the update was skipped for a non-finite
+    loss or norm."""
 
     def __init__(self, accelerator, model, optimizer, scheduler, loss, args, *, ema=None, meter, preemption):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
@@ -75,11 +77,11 @@ class Updater:
         self.grad_norm = None
         self.micro_losses: list = []  # the last update's per-micro-batch losses, detached (nan_batch.py)
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """What a checkpoint keeps of the Updater: K (update.py's docstring), None before the first DDP update."""
         return {"items_per_rank": None if self.reference is None else float(self.reference)}
 
-    def load(self, state: dict):
+    def load_state_dict(self, state: dict):
         """Resume with a checkpoint's K (none in a checkpoint from a run without DDP, or from before K was saved:
         the first update then waits for its own count)."""
         if state.get("items_per_rank") is not None and self.ddp is not None:
@@ -88,14 +90,13 @@ class Updater:
     def __call__(self, window: list, schedule: bool = True) -> Result:
         loss_mean, n_sum = self._forward_backward(window)
         self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
-        self.grad_norm = None
-        if self.max_grad_norm > 0:
-            self.grad_norm = self._clip()
-        grad_norm = self._checked_norm()
+        clipped = self._clip() if self.max_grad_norm > 0 else None
+        checked = self._checked_norm(clipped)
+        grad_norm = checked if checked is not None else clipped
         if self.nan_policy == "skip" and not (
-            torch.isfinite(loss_mean) & (True if grad_norm is None else torch.isfinite(grad_norm))
+            torch.isfinite(loss_mean) & (True if checked is None else torch.isfinite(checked))
         ):
-            stepped, self.grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
+            stepped, grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
             self._end_scaler_iteration()
         else:
             stepped = self._optimizer_step()
@@ -105,6 +106,7 @@ class Updater:
             if self.ema is not None:
                 self.ema.update_parameters(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
         self.inner_opt.zero_grad(set_to_none=True)
+        self.grad_norm = grad_norm
         return Result(loss_mean, grad_norm, stepped)
 
     def _forward_backward(self, window: list):
@@ -173,13 +175,13 @@ class Updater:
             scaler.unscale_(self.inner_opt)
         scaler.update()
 
-    def _checked_norm(self):
+    def _checked_norm(self, clipped):
         """The global gradient norm that --nan_policy checks with the loss: a finite loss can still give
         non-finite gradients (and NaN weights after the step). None under fp16: an overflow is the scaler's to
         skip."""
         if self.accelerator.scaler is not None:
             return None
-        grad_norm = self.grad_norm if self.grad_norm is not None else self._total_grad_norm()
+        grad_norm = clipped if clipped is not None else self._total_grad_norm()
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor; the global value, the same on every rank
             grad_norm = grad_norm.full_tensor()
         return grad_norm

@@ -184,6 +184,11 @@ END = "<!-- end of module graph -->"
 DOC = os.path.join(ROOT, "docs", "architecture.md")
 
 
+def node(m: str) -> str:
+    """A module as a mermaid node: a subpackage's module (a dot) gets an id without it and its dotted label."""
+    return m if "." not in m else f'{m.replace(".", "_")}["{m}"]'
+
+
 def mermaid(graph: dict[str, set[str]]) -> str:
     """The loop's modules at the top level, each subpackage's in a box named after its folder."""
 

@@ -1,4 +1,4 @@
-"""--save_async (accel_trainer/async_save.py): the checkpoints are the synchronous ones byte for byte, a resumed
+"""--save_async (accel_trainer/checkpointing/async_writer.py): the checkpoints are the synchronous ones byte for byte, a resumed
 run is bit-identical, a failed background write stops the run at the next update with one line, and FSDP2 on two
 gloo processes. (SIGKILL during a background write, 1 and 2 processes: tests/test_fault_tolerance.py.)"""
 
@@ -14,8 +14,8 @@ from helpers import FSDP2, RECIPES, ROOT, launch_cmd, run_config
 from procs import Launch
 from test_checkpoint import make
 
-from accel_trainer import async_save
-from accel_trainer.checkpoint import list_checkpoints
+from accel_trainer.checkpointing import async_writer
+from accel_trainer.checkpointing.folder import list_checkpoints
 
 
 def files_of(out, step) -> dict:
@@ -51,7 +51,7 @@ def test_a_run_resumed_from_an_async_checkpoint_is_bit_identical(runs, tmp_path)
 def test_a_failed_background_write_stops_the_run_at_the_next_update(tmp_path, monkeypatch):
     # The second checkpoint's background write fails (as a permission error would): the run stops at the update
     # boundary after it is known, with one line naming the checkpoint; the first checkpoint is `latest`, intact.
-    real, calls = async_save.AsyncWriter._write_files, []
+    real, calls = async_writer.AsyncWriter._write_files, []
 
     def failing(self, tmp, *a):
         calls.append(tmp)
@@ -59,9 +59,9 @@ def test_a_failed_background_write_stops_the_run_at_the_next_update(tmp_path, mo
             raise PermissionError(13, "Permission denied", tmp)
         return real(self, tmp, *a)
 
-    monkeypatch.setattr(async_save.AsyncWriter, "_write_files", failing)
+    monkeypatch.setattr(async_writer.AsyncWriter, "_write_files", failing)
     trainer = make(tmp_path / "run", max_steps=40, save_steps=4, save_async=True)
-    with pytest.raises(async_save.CheckpointWriteError) as e:
+    with pytest.raises(async_writer.CheckpointWriteError) as e:
         trainer.fit()
     message = str(e.value)
     assert "\n" not in message and ".tmp_step_8 in the background failed (PermissionError" in message, message
@@ -78,8 +78,8 @@ def test_a_failed_write_is_reported_even_at_the_end_of_fit(tmp_path, monkeypatch
     def failing(self, tmp, *a):
         raise PermissionError(13, "Permission denied", tmp)
 
-    monkeypatch.setattr(async_save.AsyncWriter, "_write_files", failing)
-    with pytest.raises(async_save.CheckpointWriteError, match="step_4 in the background failed"):
+    monkeypatch.setattr(async_writer.AsyncWriter, "_write_files", failing)
+    with pytest.raises(async_writer.CheckpointWriteError, match="step_4 in the background failed"):
         make(tmp_path / "run", max_steps=4, save_steps=4, save_async=True).fit()
     assert list_checkpoints(tmp_path / "run") == []
 
@@ -87,17 +87,17 @@ def test_a_failed_write_is_reported_even_at_the_end_of_fit(tmp_path, monkeypatch
 def test_a_background_write_that_never_ends_is_given_up_after_the_timeout(tmp_path, monkeypatch):
     # Every wait for a background write is bounded (--ddp_timeout): a write that hangs (a dead file system) ends the
     # run with one line after that long, and is never committed, even if it ends later.
-    release, real = threading.Event(), async_save.AsyncWriter._write_files
+    release, real = threading.Event(), async_writer.AsyncWriter._write_files
 
     def hung(self, tmp, *a):
         release.wait(60)
         return real(self, tmp, *a)
 
-    monkeypatch.setattr(async_save.AsyncWriter, "_write_files", hung)
+    monkeypatch.setattr(async_writer.AsyncWriter, "_write_files", hung)
     trainer = make(tmp_path / "run", max_steps=4, save_steps=4, save_async=True, ddp_timeout=2)
     started = time.monotonic()
     try:
-        with pytest.raises(async_save.CheckpointWriteError, match="still being written in the background after 2 s"):
+        with pytest.raises(async_writer.CheckpointWriteError, match="still being written in the background after 2 s"):
             trainer.fit()
         assert time.monotonic() - started < 60
     finally:

@@ -17,7 +17,7 @@ sys.path.insert(0, RECIPES)
 import regression  # noqa: E402
 
 from accel_trainer import Trainer, TrainingArguments  # noqa: E402
-from accel_trainer.checkpoint import CheckpointError, write_manifest  # noqa: E402
+from accel_trainer.checkpointing.folder import CheckpointError, write_manifest  # noqa: E402
 from accel_trainer.trainer import NonFiniteLossError  # noqa: E402
 
 
@@ -279,7 +279,7 @@ def test_tied_tensor_may_be_missing_only_when_tied(tmp_path):
     # refused for a model where they are two (the check must not wave through a really missing tensor).
     from safetensors.torch import save_model
 
-    from accel_trainer.checkpoint import check_compatible
+    from accel_trainer.checkpointing.resume import check_compatible
 
     class LM(torch.nn.Module):
         def __init__(self, tied):
@@ -312,7 +312,7 @@ def test_compiled_model_with_ema_saves_plain_names(tmp_path):
 def test_resaving_a_step_never_leaves_it_missing(trained, tmp_path, monkeypatch):
     # A resumed finished run writes its last step again. Killed between taking the old folder away and putting the
     # new one in place (here: the rename of the new folder fails), the complete step_12 must still be found.
-    import accel_trainer.checkpoint as ckpt
+    import accel_trainer.checkpointing.resume as ckpt
 
     out = copy_run(trained, tmp_path / "run")
     real_replace = os.replace
@@ -335,7 +335,7 @@ def test_resaving_a_step_never_leaves_it_missing(trained, tmp_path, monkeypatch)
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(trained, tmp_path, capsys):
     # Resumed from step 4 with steps 8 and 12 of the first attempt present, then stopped after its own step 8:
     # `latest` must be this run's step 8, not the first attempt's step 12, and nothing is deleted.
-    import accel_trainer.checkpoint as ckpt
+    import accel_trainer.checkpointing.resume as ckpt
 
     out = copy_run(trained, tmp_path / "run")
     old12 = load_file(out / "checkpoints" / "step_12" / "model.safetensors")

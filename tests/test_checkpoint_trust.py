@@ -24,7 +24,8 @@ import torch
 from helpers import RECIPES, launcher
 from procs import Launch
 
-from accel_trainer import checkpoint as ckpt
+from accel_trainer.checkpointing import folder as ckpt_folder
+from accel_trainer.checkpointing import verify as ckpt_verify
 
 SCRIPT = os.path.join(RECIPES, "regression.py")
 ARGS = ["--max_steps", "8", "--save_steps", "4", "--logging_steps", "1", "--disable_tqdm"]
@@ -62,7 +63,7 @@ def torch_payload(marker) -> bytes:
 
 def rehash(folder):
     """What an attacker (or a careless tool) does: rewrite the manifest to match the altered files."""
-    ckpt.write_manifest(str(folder), ckpt.read_state(str(folder)))
+    ckpt_folder.write_manifest(str(folder), ckpt_folder.read_state(str(folder)))
 
 
 def unlist(folder, rel):
@@ -268,7 +269,7 @@ def test_dcp_metadata_admits_exactly_dcp_classes(runs, tmp_path):
     admits, or any other global of those modules, is refused without running."""
     fsdp = runs / "fsdp" / "checkpoints" / "step_8"
     for rel in ("pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"):
-        meta = ckpt.read_dcp_metadata(str(fsdp), str(fsdp / rel))
+        meta = ckpt_verify.read_dcp_metadata(str(fsdp), str(fsdp / rel))
         assert meta.state_dict_metadata and meta.storage_data
     marker = tmp_path / "pwned"
     modules = ["torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem", "torch",
@@ -278,15 +279,15 @@ def test_dcp_metadata_admits_exactly_dcp_classes(runs, tmp_path):
                 ("torch.distributed.checkpoint.metadata", "os"), ("torch.serialization", "load")]]  # fmt: skip
     for i, data in enumerate(crafted):
         (tmp_path / f"{i}.metadata").write_bytes(data)
-        with pytest.raises(ckpt.CheckpointError, match=rf"{i}\.metadata cannot be loaded safely"):
-            ckpt.read_dcp_metadata(str(tmp_path), str(tmp_path / f"{i}.metadata"))
+        with pytest.raises(ckpt_folder.CheckpointError, match=rf"{i}\.metadata cannot be loaded safely"):
+            ckpt_verify.read_dcp_metadata(str(tmp_path), str(tmp_path / f"{i}.metadata"))
     assert not marker.exists()
     # DCP's own class without its fields (pickle sets any state): a CheckpointError, not an AttributeError later
     from torch.distributed.checkpoint.metadata import Metadata
 
     (tmp_path / "fieldless.metadata").write_bytes(pickle.dumps(Metadata.__new__(Metadata)))
-    with pytest.raises(ckpt.CheckpointError, match=r"fieldless\.metadata is not well-formed DCP metadata"):
-        ckpt.read_dcp_metadata(str(tmp_path), str(tmp_path / "fieldless.metadata"))
+    with pytest.raises(ckpt_folder.CheckpointError, match=r"fieldless\.metadata is not well-formed DCP metadata"):
+        ckpt_verify.read_dcp_metadata(str(tmp_path), str(tmp_path / "fieldless.metadata"))
 
 
 def test_what_the_folder_holds_is_checked_whatever_the_manifest_says(runs, tmp_path):
@@ -304,31 +305,31 @@ def test_what_the_folder_holds_is_checked_whatever_the_manifest_says(runs, tmp_p
 
     folder = copy("absolute")
     manifest_with(folder, "/etc/hostname", {"size": 1, "sha256": "0"})
-    with pytest.raises(ckpt.CheckpointError, match="names '/etc/hostname'.*not a plain path inside"):
-        ckpt.verify_checkpoint(str(folder))
+    with pytest.raises(ckpt_folder.CheckpointError, match="names '/etc/hostname'.*not a plain path inside"):
+        ckpt_verify.verify_checkpoint(str(folder))
     folder = copy("malformed_entry")
     manifest_with(folder, "scheduler.bin", {"size": "12"})
-    with pytest.raises(ckpt.CheckpointError, match=r"manifest\.json is malformed \(entry 'scheduler\.bin'"):
-        ckpt.verify_checkpoint(str(folder))
+    with pytest.raises(ckpt_folder.CheckpointError, match=r"manifest\.json is malformed \(entry 'scheduler\.bin'"):
+        ckpt_verify.verify_checkpoint(str(folder))
     folder = copy("fifo")  # hashing it would block forever
     os.mkfifo(folder / "notes")
-    with pytest.raises(ckpt.CheckpointError, match="notes is not a regular file"):
-        ckpt.verify_checkpoint(str(folder))
+    with pytest.raises(ckpt_folder.CheckpointError, match="notes is not a regular file"):
+        ckpt_verify.verify_checkpoint(str(folder))
     folder = copy("state")
     state = json.load(open(folder / "trainer_state.json"))
     del state["num_processes"]
     json.dump(state, open(folder / "trainer_state.json", "w"))
-    ckpt.write_manifest(str(folder), {**state, "num_processes": 1})  # re-hashed: only its content is wrong
-    with pytest.raises(ckpt.CheckpointError, match=r"trainer_state\.json lacks num_processes"):
-        ckpt.verify_checkpoint(str(folder))
+    ckpt_folder.write_manifest(str(folder), {**state, "num_processes": 1})  # re-hashed: only its content is wrong
+    with pytest.raises(ckpt_folder.CheckpointError, match=r"trainer_state\.json lacks num_processes"):
+        ckpt_verify.verify_checkpoint(str(folder))
     # an unlisted file nothing reads is named in a warning; the checkpoint stays usable
     folder = copy("readme")
     (folder / "README.txt").write_text("notes")
     said = []
-    ckpt.verify_checkpoint(str(folder), said.append)
+    ckpt_verify.verify_checkpoint(str(folder), said.append)
     assert len(said) == 1 and "README.txt is not listed in manifest.json; nothing reads it" in said[0]
     # ... but one that something reads is refused (here: Accelerate's RNG state, which it would load silently)
     folder = copy("rng")
     unlist(folder, "random_states_0.pkl")
-    with pytest.raises(ckpt.CheckpointError, match=r"random_states_0\.pkl is not listed in manifest\.json"):
-        ckpt.verify_checkpoint(str(folder))
+    with pytest.raises(ckpt_folder.CheckpointError, match=r"random_states_0\.pkl is not listed in manifest\.json"):
+        ckpt_verify.verify_checkpoint(str(folder))

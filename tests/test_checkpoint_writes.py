@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import RECIPES, env, launch_cmd
 
-from accel_trainer.checkpoint import DiskFullError, is_disk_full, write_file_atomically
+from accel_trainer.checkpointing.folder import DiskFullError, is_disk_full, write_file_atomically
 from accel_trainer.errors import UserError
 
 LOW_SPACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "low_space.py")

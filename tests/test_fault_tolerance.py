@@ -349,7 +349,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_naming_the_last_good_step(tmp
     # A real full disk: a 640 KiB tmpfs holds three checkpoints of this run (~160 KiB each), not four. The run
     # ends with one line (no traceback) saying the disk is full, where, and the last good step; that checkpoint
     # is complete and resumes. With --save_async the failure is in the background write, found at an update.
-    from accel_trainer.checkpoint import resolve_resume_path
+    from accel_trainer.checkpointing.resume import resolve_resume_path
 
     disk = tmp_path / "disk"
     disk.mkdir()

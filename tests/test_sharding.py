@@ -34,8 +34,10 @@ from helpers import FSDP2, RECIPES, ROOT, env, free_port, last_step, launch_cmd,
 from procs import Launch
 from safetensors.torch import load_file, load_model
 
-from accel_trainer import checkpoint as ckpt
 from accel_trainer import sharding
+from accel_trainer.checkpointing import folder as ckpt_folder
+from accel_trainer.checkpointing import resume as ckpt_resume
+from accel_trainer.checkpointing import verify as ckpt_verify
 
 sys.path.insert(0, RECIPES)
 import regression  # noqa: E402
@@ -176,8 +178,8 @@ def test_the_full_model_and_the_sharded_checkpoint(reg):
     assert not missing and not unexpected
     # The checkpoint of the last update: DCP shards of model and optimizer from both ranks, in the manifest.
     last = os.path.join(fsdp, "checkpoints", "step_20")
-    manifest = ckpt.verify_checkpoint(last)
-    assert ckpt.is_sharded_checkpoint(last)
+    manifest = ckpt_verify.verify_checkpoint(last)
+    assert ckpt_verify.is_sharded_checkpoint(last)
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert {f"{folder}/.metadata", f"{folder}/__0_0.distcp", f"{folder}/__1_0.distcp"} <= set(manifest["files"])
     # ... loads into the plain model on this one process: exactly the weights the run ended with
@@ -186,12 +188,14 @@ def test_the_full_model_and_the_sharded_checkpoint(reg):
         load_file(f"{fsdp}/model.safetensors"),
     )
     optimizer = torch.optim.AdamW(model.parameters())
-    ckpt.load_resharded(last, model, optimizer)
+    ckpt_resume.load_resharded(last, model, optimizer)
     assert all(torch.equal(v, plain[k]) for k, v in model.state_dict().items())
     assert {s["step"].item() for s in optimizer.state.values()} == {20.0}
     wider = regression.build_model(SimpleNamespace(args=regression.Args(hidden_size=64)))
-    with pytest.raises(ckpt.CheckpointError, match=r"0.weight: \(32, 16\) in the checkpoint, \(64, 16\) in this"):
-        ckpt.check_compatible_sharded(last, wider)
+    with pytest.raises(
+        ckpt_folder.CheckpointError, match=r"0.weight: \(32, 16\) in the checkpoint, \(64, 16\) in this"
+    ):
+        ckpt_resume.check_compatible_sharded(last, wider)
 
 
 def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(reg):
@@ -213,8 +217,8 @@ def test_sharded_checkpoint_safety(reg, tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    with pytest.raises(ckpt.CheckpointError, match="__1_0.distcp is corrupt"):
-        ckpt.verify_checkpoint(str(copy))
+    with pytest.raises(ckpt_folder.CheckpointError, match="__1_0.distcp is corrupt"):
+        ckpt_verify.verify_checkpoint(str(copy))
     # Pickled code is refused before torch sees it, and does not run: in a .metadata (which torch reads with plain
     # pickle), and in a shard's non-tensor item (which torch reads with weights_only=False, e.g. AdamW's lr).
     marker = tmp_path / "pwned"
@@ -234,17 +238,19 @@ def test_sharded_checkpoint_safety(reg, tmp_path):
     meta.storage_data[index] = dataclasses.replace(info, offset=shard.stat().st_size, length=len(evil.getvalue()))
     shard.write_bytes(shard.read_bytes() + evil.getvalue())
     (copy / "optimizer_0" / ".metadata").write_bytes(pickle.dumps(meta))
-    with pytest.raises(ckpt.CheckpointError, match=r"item optimizer\.param_groups\.0\.lr\) cannot be loaded safely"):
-        ckpt.check_dcp_metadata_safe(str(copy), {"files": {"optimizer_0/.metadata": {}}})
+    with pytest.raises(
+        ckpt_folder.CheckpointError, match=r"item optimizer\.param_groups\.0\.lr\) cannot be loaded safely"
+    ):
+        ckpt_verify.check_dcp_metadata_safe(str(copy), {"files": {"optimizer_0/.metadata": {}}})
     (copy / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Payload()))
-    with pytest.raises(ckpt.CheckpointError, match=".metadata cannot be loaded safely"):
-        ckpt.check_dcp_metadata_safe(str(copy), {"files": {"pytorch_model_fsdp_0/.metadata": {}}})
+    with pytest.raises(ckpt_folder.CheckpointError, match=".metadata cannot be loaded safely"):
+        ckpt_verify.check_dcp_metadata_safe(str(copy), {"files": {"pytorch_model_fsdp_0/.metadata": {}}})
     assert not marker.exists()
     # a checkpoint written without FSDP cannot be resumed sharded: refused, not half-loaded
     fsdp_run = SimpleNamespace(distributed_type=DistributedType.FSDP)
     ddp_step = os.path.join(reg.out["ddp"], "checkpoints", "step_4")
-    with pytest.raises(ckpt.CheckpointError, match="written without FSDP"):
-        ckpt.load_checkpoint(fsdp_run, ddp_step, regression.build_model(SimpleNamespace(args=regression.Args())))
+    with pytest.raises(ckpt_folder.CheckpointError, match="written without FSDP"):
+        ckpt_resume.load_checkpoint(fsdp_run, ddp_step, regression.build_model(SimpleNamespace(args=regression.Args())))
 
 
 # ------------------------------------------------------------------------------- the CIFAR net: buffers, lookahead
@@ -295,7 +301,7 @@ def test_cifar_under_fsdp_resumes_bit_identically_after_sigkill(tmp_path):
     net = cifar.CifarNet((8, 16, 16))
     opt = cifar.build_optimizer(net, SimpleNamespace(args=cifar.Args(), targs=SimpleNamespace(weight_decay=0.0),
                                 learning_rate=1.0, global_batch_size=16))  # fmt: skip
-    ckpt.load_resharded(os.path.join(out["whole"], "checkpoints", "step_6"), net, opt)
+    ckpt_resume.load_resharded(os.path.join(out["whole"], "checkpoints", "step_6"), net, opt)
     assert opt.step_count == 6
     ema, current = opt._pairs()
     frozen = sum(not p.requires_grad for p in net.parameters())  # constant: no average to keep

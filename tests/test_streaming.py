@@ -97,7 +97,7 @@ def resumed_step(output: str) -> int:
     [(1, 0, []), (2, 2, ["--save_steps", "5", "--max_steps", "14"]), (1, 2, ["--save_async"])],
 )
 def test_streamed_run_killed_and_resumed_trains_on_the_same_blocks(corpus, tmp_path, launches, nproc, workers, extra):
-    # --save_async with a stream: the position saved is the one at the checkpoint's update (checkpoint.py's
+    # --save_async with a stream: the position saved is the one at the checkpoint's update (checkpointing/folder.py's
     # write_extra runs while training waits; this tiny run's background write ends before the stream moves on, so
     # this case would also have passed with the position taken in the background)
     save, steps = (5, 14) if nproc == 2 else (SAVE, STEPS)

@@ -21,7 +21,7 @@ What `accelerator.save_state(tmp)` writes, with the same names and format (`load
 
 Several processes: the background threads talk over their own gloo group (a collective from a second thread on
 the training group could interleave with the training's collectives). After writing, the ranks exchange their
-outcome; the main process commits (manifest, rename, retention: checkpoint.save_checkpoint's own code) only when
+outcome; the main process commits (manifest, rename, retention: folder.save_checkpoint's own code) only when
 every rank wrote its part, and tells the others whether the commit worked. So every rank knows the same outcome,
 and the Trainer stops all of them at the same update (the preemption vote) when it is a failure.
 
@@ -36,8 +36,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from datetime import timedelta
+from types import SimpleNamespace
 
-from .errors import UserError
+from accelerate.utils import DistributedType
+
+from ..errors import UserError
 
 
 class CheckpointWriteError(UserError):
@@ -109,32 +112,32 @@ class AsyncWriter:
     def _copy_state(self, tmp: str) -> list:
         """The stall: small files written now, model and optimizer state copied to CPU memory."""
         from accelerate.checkpointing import save_accelerator_state, save_custom_state
-        from accelerate.utils import DistributedType
 
         acc = self.accelerator
+        prepared = _prepared(acc)
         fsdp = acc.distributed_type == DistributedType.FSDP
         if acc.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
             assert fsdp, f"--save_async does not support {acc.distributed_type}"  # checked with the arguments
         weights, optims = [], []
         if fsdp:
-            from accelerate.utils.fsdp_utils import _prepare_sd_options
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-            options = _prepare_sd_options(acc.state.fsdp_plugin)  # what save_fsdp_model/optimizer use
-            weights = [get_model_state_dict(m, options=options) for m in acc._models]
+            options = prepared.fsdp_options
+            weights = [get_model_state_dict(m, options=options) for m in prepared.models]
             optims = [
-                get_optimizer_state_dict(acc._models[i], o, options=options) for i, o in enumerate(acc._optimizers)
+                get_optimizer_state_dict(prepared.models[i], o, options=options)
+                for i, o in enumerate(prepared.optimizers)
             ]
         else:
-            weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
-            optims = [o.state_dict() for o in acc._optimizers]
-        for hook in acc._save_model_state_pre_hook.values():  # as save_state: hooks may edit the weights
-            hook(acc._models, weights, tmp)
+            weights = [acc.get_state_dict(m, unwrap=False) for m in prepared.models]
+            optims = [o.state_dict() for o in prepared.optimizers]
+        for hook in prepared.save_hooks:  # as save_state: hooks may edit the weights
+            hook(prepared.models, weights, tmp)
         save_accelerator_state(  # no model, no optimizer: scheduler, sampler, scaler, this update's RNG states
-            tmp, [], [], acc._schedulers, acc._dataloaders, acc.state.process_index, acc.step, acc.scaler,
+            tmp, [], [], prepared.schedulers, prepared.dataloaders, acc.state.process_index, acc.step, acc.scaler,
             save_on_each_node=acc.project_configuration.save_on_each_node,
         )  # fmt: skip
-        for i, obj in enumerate(acc._custom_objects):
+        for i, obj in enumerate(prepared.custom_objects):
             save_custom_state(obj, tmp, i, save_on_each_node=acc.project_configuration.save_on_each_node)
         acc.project_configuration.iteration += 1
         staged = self._stage({"weights": weights, "optims": optims})
@@ -229,6 +232,30 @@ class AsyncWriter:
                     outcome if rank == self.accelerator.process_index else f"rank {rank}: {outcome}"
                 )
         return None
+
+
+def _prepared(acc) -> SimpleNamespace:
+    """What Accelerate's save_state reads from the Accelerator, in the same order; the one place this module reads
+    Accelerate's privates. Why: no public API lists what prepare() and register_for_checkpointing() hold (the
+    Accelerator keeps them in private lists), and save_state, the public way, writes everything at once: it cannot
+    write the small files now and the model and optimizer later from a copy. Its public building blocks are used
+    for the rest (save_accelerator_state, save_custom_state, get_state_dict, accelerate.utils.save)."""
+    fsdp_options = None
+    if acc.distributed_type == DistributedType.FSDP:
+        # The state-dict options save_fsdp_model/save_fsdp_optimizer derive from the FSDP plugin (full or sharded,
+        # CPU offload): a private helper of accelerate.utils.fsdp_utils, the only statement of those rules.
+        from accelerate.utils.fsdp_utils import _prepare_sd_options
+
+        fsdp_options = _prepare_sd_options(acc.state.fsdp_plugin)
+    return SimpleNamespace(
+        models=acc._models,  # prepare()d models: model.safetensors, model_1.safetensors, ...
+        optimizers=acc._optimizers,  # prepare()d optimizers: optimizer.bin, optimizer_1.bin, ...
+        schedulers=acc._schedulers,  # scheduler.bin ...
+        dataloaders=acc._dataloaders,  # their samplers' positions
+        custom_objects=acc._custom_objects,  # register_for_checkpointing: custom_checkpoint_<i>.pkl
+        save_hooks=list(acc._save_model_state_pre_hook.values()),  # register_save_state_pre_hook's hooks
+        fsdp_options=fsdp_options,
+    )
 
 
 def _one_line(error: BaseException, tmp: str) -> CheckpointWriteError:

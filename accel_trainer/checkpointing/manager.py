@@ -1,0 +1,275 @@
+"""The checkpoint manager: the one object the Trainer talks to about checkpoints.
+
+    resume_path, kept_best = prepare_output_dir(accelerator, args)   # before any rank writes: resume or start anew
+    manager = CheckpointManager(accelerator, args, state=[progress, data, updater], data=data, ...)
+    manager.resume(resume_path)                                        # every component loads its part
+    manager.save() / manager.wait() / manager.announce_written()      # in fit(); --save_async writes in background
+    with manager.guard(): ...                                          # no background write left behind on the way out
+    manager.preempt(progress_bar)                                      # checkpoint at this update, then exit
+    manager.save_model(path)                                           # the evaluated weights as safetensors
+
+The run state is the components' `state_dict()`s (the Trainer's Progress, the data position -- loaders.MapPosition
+or streaming.Stream --, the Updater's K), merged into trainer_state.json, one key per value (the format is that of
+earlier versions), with the run's shape that resume.py checks a resume against. The data position also writes
+per-rank files (a stream's position) through the same save, while training waits, --save_async or not. The model,
+optimizer, scheduler, scaler and RNG states are Accelerate's save_state; the EMA weights a file of their own
+(folder.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import time
+
+from accelerate.utils import DistributedType
+from safetensors.torch import save_model
+
+from .. import evaluation, faults
+from ..errors import UserError
+from ..update import is_plain_torch
+from . import folder as ckpt_folder
+from . import resume as ckpt_resume
+
+AFTER_TRAINING_TRACEBACK = "error_after_training.txt"  # a bug's traceback, named by AfterTrainingError's line
+PREVIOUS_RUN_FILES = (
+    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK
+)  # fmt: skip
+
+
+def prepare_output_dir(accelerator, args) -> tuple[str | None, dict]:
+    """(the checkpoint to resume from (None: a new run), the best evaluation of an earlier attempt whose best/ is
+    kept (Progress fields)), once every rank has checked output_dir; then it exists."""
+    resume_path, kept_best = _check_output_dir(accelerator, args)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    return resume_path, kept_best
+
+
+def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
+    """The verified checkpoint to resume from (None: a new run), and a clean output_dir for a new run.
+    'auto' (and any elastic restart, see faults.py) resumes when there is a checkpoint and starts anew when
+    there is none, replacing the logs of an attempt that died before its first checkpoint."""
+    out = args.output_dir
+    spec = faults.effective_resume_spec(args.resume_from_checkpoint)
+    if spec:
+        path = ckpt_resume.resolve_on_main(accelerator, spec, out)
+        if path is not None:
+            return path, {}
+    kept_best: dict = {}
+    previous = [f for f in PREVIOUS_RUN_FILES if os.path.exists(os.path.join(out, f))]
+    leftovers = spec is not None and spec.startswith("auto") and "model.safetensors" not in previous
+    if previous and not (args.overwrite_output_dir or leftovers):
+        raise FileExistsError(
+            f"output_dir {out} holds a previous run ({', '.join(previous)}). {ckpt_resume.previous_run_advice(out)}"
+        )
+    if leftovers and not args.overwrite_output_dir and "best" in previous:
+        previous.remove("best")
+        kept_best = _keep_best(accelerator, args, out)
+    if previous:
+        accelerator.wait_for_everyone()  # every rank has checked before the main one deletes
+        if accelerator.is_main_process:
+            for f in previous:
+                path = os.path.join(out, f)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return None, kept_best
+
+
+def _keep_best(accelerator, args, out: str) -> dict:
+    """An attempt that died before its first checkpoint (started again with 'auto') may have written best/:
+    the new attempt keeps it and compares against its record, replacing it only when it evaluates better.
+    One that cannot be compared against (another metric, no best.json) is moved aside, never deleted."""
+    record = evaluation.previous_best(args, out)
+    kept = {}
+    if record is not None:
+        kept = {"best_metric": record["value"], "best_step": record["step"]}
+        found = f"step {record['step']}, {record['metric']} {record['value']:.6g}"
+        what = f"kept ({found}) until this run evaluates better"
+    else:
+        accelerator.wait_for_everyone()  # every rank has read best/ before it moves
+        aside = os.path.join(out, f"best.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+        if accelerator.is_main_process:
+            os.replace(os.path.join(out, "best"), aside)
+        what = f"moved to {aside}: this run cannot compare against it (another metric, or no best.json)"
+    if accelerator.is_main_process:
+        print(
+            f"Starting over (no checkpoint in {ckpt_folder.checkpoints_root(out)}); the best model of the attempt "
+            f"before, {os.path.join(out, 'best')}, is {what}.",
+            file=sys.stderr,
+            flush=True,
+        )
+    return kept
+
+
+class CheckpointManager:
+    """Saves and resumes the run: `state` (objects with state_dict()/load_state_dict() whose dicts make
+    trainer_state.json; their keys do not overlap), `data` (the data position, which also writes per-rank files),
+    the prepared model and optimizer, the EMA (or None). `fire(event, *args)` fires a Trainer event;
+    `before_save()` runs before every checkpoint (the Trainer logs the updates not yet logged, which also stops a
+    run on a non-finite loss before anything is written over a good checkpoint); `say` prints on the main process;
+    `save_full_model(path)`: under FSDP, every rank gathers the shards and the main one writes (sharding.py)."""
+
+    def __init__(
+        self, accelerator, args, *, state: list, data, model, optimizer, ema, preemption, say, fire, before_save,
+        save_full_model=None,
+    ):  # fmt: skip
+        self.accelerator, self.args = accelerator, args
+        self.components, self.data = state, data
+        self.model, self.optimizer, self.ema = model, optimizer, ema
+        self.preemption, self.say, self.fire, self.before_save = preemption, say, fire, before_save
+        self.save_full_model = save_full_model
+        self.saved_step = None  # the step of the last checkpoint written by this run
+        self.pending_path = None  # a background write's folder, until checkpoint_written fired for it
+        self.writer = self._async_writer() if args.save_async else None
+
+    # ----------------------------------------------------------------------------------------------- run state
+    def state_dict(self) -> dict:
+        """trainer_state.json: every component's state, and the shape of the run that wrote it."""
+        state: dict = {}
+        for component in self.components:
+            state.update(component.state_dict())
+        return {
+            **state,
+            "num_processes": self.accelerator.num_processes,
+            "per_device_train_batch_size": self.args.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "seed": self.args.seed,
+        }
+
+    def resume(self, path: str):
+        """Continue the run from the verified checkpoint `path` (resume.resume: the weights, optimizer and RNG
+        states, and this rank's position for any world size); then every component loads its part, and the data
+        position its per-rank files (a stream's position: they differ by rank)."""
+        acc = self.accelerator
+        state, position = ckpt_resume.resume(
+            acc, path, self.args, self.model, self.optimizer, ema=self.ema, streaming=self.data.per_rank,
+            say=self.say,
+        )  # fmt: skip
+        here = {**state, "batch_in_epoch": position}  # this rank's place in the epoch on this world size
+        for component in self.components:
+            component.load_state_dict(here)
+        self.data.load_rank_files(path)
+        moved = "" if state["num_processes"] == acc.num_processes else (
+            f", written by {state['num_processes']} processes: batch {state['batch_in_epoch']} there"
+        )  # fmt: skip
+        self.say(
+            f"Resumed from {path} at step {state['global_step']} (epoch {self.data.epoch}, batch {position}{moved})."
+        )
+
+    # ------------------------------------------------------------------------------------------------- saving
+    def save(self) -> str:
+        self.before_save()
+        self.wait()  # one write at a time: the staging memory is reused, the order kept
+        state = self.state_dict()
+        step = state["global_step"]
+        path = ckpt_folder.save_checkpoint(
+            self.accelerator,
+            self.args.output_dir,
+            step,
+            state,
+            ema=self.ema,
+            save_total_limit=self.args.save_total_limit,
+            on_staged=lambda folder: self.fire("checkpoint_staged", folder),
+            async_writer=self.writer,
+            write_extra=self.data.save_rank_files,  # this rank's data position at this update, also under --save_async
+        )
+        self.saved_step = step
+        if self.writer is None:
+            self.fire("checkpoint_written", path)
+        else:
+            self.pending_path = path  # checkpoint_written fires once it is committed
+        return path
+
+    def save_model(self, path: str | None = None) -> str:
+        """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
+        acc, out = self.accelerator, self.args.output_dir
+        path = path or os.path.join(out, "model.safetensors")
+        if self.save_full_model is not None:  # every rank takes part in gathering the shards; the main one writes
+            return self.save_full_model(path)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            model = self.ema.module if self.ema is not None else acc.unwrap_model(self.model, keep_torch_compile=False)
+            ckpt_folder.write_file_atomically(path, lambda tmp: save_model(model, tmp), out, f"the model to {path}")
+        acc.wait_for_everyone()
+        return path
+
+    # --save_async (async_writer.py): the write runs in the background; a failure stops every rank at one update.
+    def _async_writer(self):
+        from .async_writer import AsyncWriter
+
+        acc = self.accelerator
+        if not (is_plain_torch(acc) or acc.distributed_type == DistributedType.FSDP):
+            raise UserError(
+                f"--save_async supports one process, DDP and FSDP2, not {acc.distributed_type}; drop --save_async."
+            )
+        writer = AsyncWriter(self.accelerator, self.args.ddp_timeout)
+        # Every rank learns the same outcome, so every rank votes to stop: they stop at the same update (the
+        # preemption vote), where preempt() waits for the write and raises its one-line error.
+        writer.on_failure = self.preemption.request_stop
+        return writer
+
+    def announce_written(self):
+        if self.writer is not None and self.pending_path is not None and not self.writer.pending():
+            if self.writer.error is None:
+                self.fire("checkpoint_written", self.pending_path)
+                self.pending_path = None
+
+    def wait(self):
+        """The pending background write is over (raising its failure), and announced."""
+        if self.writer is not None:
+            self.writer.wait()  # in fit() inside meter.paused(): not update time
+            self.announce_written()
+
+    def preempt(self, progress_bar=None):
+        """Checkpoint at this update boundary (unless one was just written), then exit with EXIT_PREEMPTED."""
+        self.wait()  # a failed background write stops the run here, with its own message
+        step = self.state_dict()["global_step"]
+        path = (
+            os.path.join(ckpt_folder.checkpoints_root(self.args.output_dir), f"step_{step}")
+            if self.saved_step == step
+            else self.save()
+        )
+        self.wait()
+        if progress_bar is not None:
+            progress_bar.close()
+        self.accelerator.end_training()
+        self.say(
+            f"Preempted ({self.preemption.signal_name or 'signal on another rank'}): checkpoint "
+            f"{path} at step {step}; {faults.preempted_exit()}. Resume "
+            "with --resume_from_checkpoint latest."
+        )
+        raise faults.Preempted(path, step)
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Around fit()'s loop and its end. Whatever ends them early (an exception, Ctrl-C, a NaN stop, a dead peer;
+        a preemption has already waited), a checkpoint still being written in the background is committed, or
+        cleanly absent, before the error goes on. Left to the interpreter's exit, the daemon thread would be stopped
+        mid-write (or abort the process inside torch) and the checkpoint lost. Bounded by the writer's timeout."""
+        try:
+            yield
+        except BaseException:
+            w = self.writer
+            if w is not None and w.in_flight():
+                self._finish_write_on_the_way_out(w)
+            raise
+
+    def _finish_write_on_the_way_out(self, w):
+        from .async_writer import CheckpointWriteError
+
+        path = self.pending_path
+        try:
+            if w.pending():
+                self.say(
+                    f"Stopping: first finishing the checkpoint {path} being written in the background (at most "
+                    f"{w.timeout_s} s; interrupt again to abandon it)."
+                )
+            self.wait()
+            self.say(f"Checkpoint {path} committed; resume with --resume_from_checkpoint latest.")
+        except CheckpointWriteError as e:  # the error that ends the run goes on; this one is said, not lost
+            print(f"warning: {e}", file=sys.stderr, flush=True)
+        finally:
+            w.close()  # the run stops: the writer's group is not left to the interpreter's teardown
