@@ -37,8 +37,8 @@ class Tracker:
         self.updates: list = []
         self._next = None  # (epoch, position) where the next window starts: where the last one ended
 
-    def record(self, micro_losses: list, window: list, progress, per_epoch: int | None):
-        n, end = len(window), (progress.epoch, progress.batch_in_epoch)
+    def record(self, micro_losses: list, window: list, position, per_epoch: int | None):
+        n, end = len(window), (position.epoch, position.batch_in_epoch)
         if end == self._next or end == (0, 0):
             # The position did not move: a batch of the notebook's train_step()/overfit_batch(), not of the run's
             # order. Its position is unknown; the batch itself is kept (one update's worth, until the next row).
@@ -46,10 +46,10 @@ class Tracker:
             return
         if self._next is not None:
             start = self._next
-        elif progress.batch_in_epoch >= n or progress.epoch == 0 or not per_epoch:  # the run's (or resume's) first
-            start = (progress.epoch, max(progress.batch_in_epoch - n, 0))
+        elif position.batch_in_epoch >= n or position.epoch == 0 or not per_epoch:  # the run's (or resume's) first
+            start = (position.epoch, max(position.batch_in_epoch - n, 0))
         else:  # the first window handed out ended an epoch
-            start = (progress.epoch - 1, per_epoch - n)
+            start = (position.epoch - 1, per_epoch - n)
         self._next = end
         self.updates.append((micro_losses, start, list(window) if self.keep_batches else None))
 

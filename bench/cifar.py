@@ -67,7 +67,7 @@ def one_run(recipe, recipe_argv, seed, target, out_root):
     curve, eval_time, marks = [], [0.0], {}
 
     def on_update_end(trainer):
-        if trainer.progress.batch_in_epoch == 0:  # an epoch ended: the eval follows
+        if trainer.data.batch_in_epoch == 0:  # an epoch ended: the eval follows (trainer.data: the data position)
             sync()
             marks["epoch_end"] = time.perf_counter()
 
