@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -95,3 +96,19 @@ def last_step(output_dir) -> int:
         except (ValueError, KeyError):
             pass
     return max(steps, default=0)
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder, size: str):
+    """A real disk of `size` (e.g. "640k") mounted at `folder` (created) for a test that must fill it; unmounted
+    after. Skips where mounting is not allowed (not root): CI runs as root, so there it always runs."""
+    import pytest
+
+    os.makedirs(folder, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)

@@ -20,7 +20,7 @@ import time
 
 import psutil
 import pytest
-from helpers import env, flags, last_step, launch_cmd
+from helpers import env, flags, last_step, launch_cmd, small_tmpfs
 from procs import Launch
 
 from accel_trainer.cluster.cluster_config import RESTART_SAFE_ENV
@@ -352,11 +352,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_naming_the_last_good_step(tmp
     from accel_trainer.checkpointing.resume import resolve_resume_path
 
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(disk, "640k"):
         out = disk / "run"
         args = ["--max_steps", "40", "--save_steps", "2", "--hidden_size", "512", "--disable_tqdm"]
         args += ["--save_async"] if save_async else []
@@ -373,19 +369,13 @@ def test_disk_full_during_a_checkpoint_is_one_line_naming_the_last_good_step(tmp
         assert "The disk is full" in errors[0] and str(out / "checkpoints") in errors[0], errors[0]
         assert f"the last good checkpoint is step {step} ({good})" in errors[0], errors[0]
         assert step >= 2 and not (out / "model.safetensors").exists()
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 def test_disk_full_while_logging_is_one_line(tmp_path):
     # A real full disk outside any checkpoint or model write: a 12 KiB tmpfs fills with metrics.jsonl's rows
     # (no checkpoints: --save_steps 0). One line (run.py's disk-full branch), exit 1, no traceback.
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(disk, "12k"):
         out = disk / "run"
         args = ["--max_steps", "200", "--save_steps", "0", "--logging_steps", "1", "--disable_tqdm"]
         proc = subprocess.run(
@@ -396,5 +386,3 @@ def test_disk_full_while_logging_is_one_line(tmp_path):
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith("error: The disk is full: writing ") and str(out) in line, line
         assert "no checkpoint yet" in line and 0 < last_step(out) < 200, line
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
