@@ -40,19 +40,21 @@ def configure_process(args: TrainingArguments) -> tuple[Accelerator, dict]:
     - under `accel-trainer launch`, a SIGUSR1 handler that keeps a preemption notice arriving during set-up
       (faults.keep_early_preemption);
     - Accelerate's process-wide singletons reset (AcceleratorState, GradientState), NCCL's error handling
-      (NCCL_ERROR_HANDLING), the process group, and under FSDP on a CPU the FSDP type in PartialState's shared
+      (NCCL_ERROR_HANDLING) and torch's Flight Recorder (FLIGHT_RECORDER) where the user set neither, the process
+      group, and under FSDP on a CPU the FSDP type in PartialState's shared
       state (sharding.activate_fsdp): build_accelerator;
     - inductor's CPU weight prepacking off for a compiled CPU run (inductor_on_cpu);
     - the world checked against the launcher's (world.check_world);
     - glibc malloc's thresholds for a CPU run (cpu_allocator.keep_freed_memory)."""
     preemption_notice = faults.keep_early_preemption()
-    nccl_chosen = bool(os.environ.get(NCCL_ERROR_HANDLING[0]) or os.environ.get("NCCL_ASYNC_ERROR_HANDLING"))
+    ours = (NCCL_ERROR_HANDLING[0], FLIGHT_RECORDER[0])  # what build_accelerator sets where the user chose none
+    before = {name: os.environ.get(name) for name in ours}
     accelerator = build_accelerator(args)
     sharded_on_cpu = accelerator.distributed_type == DistributedType.FSDP and accelerator.device.type == "cpu"
     process = {
         "sigusr1_kept_during_setup": preemption_notice,
         "accelerate_state_reset": ["AcceleratorState", "GradientState"],
-        "environ": {} if nccl_chosen else dict([NCCL_ERROR_HANDLING]),
+        "environ": {name: os.environ[name] for name in ours if os.environ.get(name) != before[name]},
         "fsdp_in_partial_state": sharded_on_cpu,  # sharding.activate_fsdp
         "inductor": inductor_on_cpu(accelerator),  # before prepare() compiles: a heap corruption on CPUs
     }

@@ -172,7 +172,11 @@ def test_importing_changes_nothing_and_a_run_records_what_it_changed_in_the_proc
         "print('after set-up:', signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)\n"
     )
     child = env(ACCEL_TRAINER_LAUNCHED="1")
-    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):  # set by earlier tests here
+    for name in (
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "NCCL_ASYNC_ERROR_HANDLING",
+        "TORCH_FR_BUFFER_SIZE",
+    ):  # earlier tests
         child.pop(name, None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -181,6 +185,6 @@ def test_importing_changes_nothing_and_a_run_records_what_it_changed_in_the_proc
         process = json.load(f)["process"]
     assert process["sigusr1_kept_during_setup"] is True
     assert process["accelerate_state_reset"] == ["AcceleratorState", "GradientState"]
-    assert process["environ"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert process["environ"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_FR_BUFFER_SIZE": "2000"}
     assert process["fsdp_in_partial_state"] is False and process["inductor"] is None
     assert process["cpu_allocator"]["tuned"] is True
