@@ -15,9 +15,10 @@ Checks (rows), GPU mode / CPU reduced mode:
                   TTA accuracy over the seeds >= 94% and the mean training time < 2.5 s (airbench94 reports 94.01%
                   in 3.83 s on an A100 this way); beside it, how many seeds reached 94% on their own. CPU: 2 seeds on
                   a tiny generated CIFAR (widths 8,16,16, batch 40, 2 epochs).
-  bf16            recipes/cifar.py --mixed_precision bf16 --nan_policy skip, 1 seed: accuracy, skipped steps (bf16 has
-                  no loss scale). CPU: the tiny run (bf16 autocast works on a CPU).
-  fp16            the same with fp16: loss scale (last and lowest logged), skipped steps. CPU: skipped -- Accelerate
+  bf16            recipes/cifar.py --mixed_precision bf16 --nan_policy skip, 1 seed, its 8th loss made NaN (a bad
+                  batch): accuracy, skipped steps (>= 1, or failed), a finite final loss (bf16 has no loss scale). CPU: the tiny run (bf16 autocast works on a CPU).
+  fp16            the same with fp16: loss scale (last and lowest logged), skipped steps: the NaN skipped while the
+                  loss scaler had unscaled for clipping. CPU: skipped -- Accelerate
                   runs fp16 on a CPU as plain fp32 (no autocast, no loss scaler), so there is nothing to check.
   fp8             recipes/causal_lm.py --mixed_precision fp8 on a tiny Llama built here (2 layers, width 256: nn.Linear
                   layers with features divisible by 16, which Accelerate's fp8 backends convert), where compute
@@ -178,9 +179,45 @@ def cifar_goal_met(m: dict) -> bool:
     return m["final_accuracy_mean"] >= 0.94 and m["train_s_mean"] < 2.5
 
 
+NAN_LOSS = "--nan_loss"  # bench/gpu.py --nan_loss N RECIPE ARGS...: see nan_loss()
+NAN_AT = 8  # the precision rows' poisoned micro-batch (its loss call), early enough for any preset
+
+
+def nan_loss(argv: list[str]) -> None:
+    """`python RECIPE ARGS` with the recipe's Nth loss made NaN (argv: N RECIPE ARGS...): the precision rows' bad
+    batch, through the recipe's own contract (`loss` imported and wrapped), as a real NaN would arrive. Under fp16
+    it is the path a GPU alone runs: the NaN skipped by --nan_policy skip while the loss scaler has unscaled for
+    clipping (once a crash at the next update)."""
+    import functools
+    import importlib.util
+
+    at, path, args = int(argv[0]), argv[1], argv[2:]
+    spec = importlib.util.spec_from_file_location("bench_recipe", path)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.path[0] = os.path.dirname(os.path.abspath(path))  # as `python RECIPE` sets it
+    spec.loader.exec_module(recipe)
+    calls, original = [0], recipe.loss
+
+    @functools.wraps(original)
+    def loss(*a, **k):
+        out = original(*a, **k)
+        calls[0] += 1
+        if calls[0] == at:
+            value, *rest = out if isinstance(out, tuple) else (out,)
+            out = (value * float("nan"), *rest) if rest else value * float("nan")
+            print(f"bench/gpu.py: loss call {at} made NaN", flush=True)
+        return out
+
+    recipe.loss = loss
+    from accel_trainer import run
+
+    run(recipe, args)
+
+
 def _precision_run(s: Suite, name: str, precision: str) -> dict:
     out = os.path.join(s.out, name)
-    cmd = [sys.executable, "recipes/cifar.py", *s.cifar_args(), "--mixed_precision", precision, "--nan_policy", "skip"]
+    cmd = [sys.executable, "bench/gpu.py", NAN_LOSS, str(NAN_AT), "recipes/cifar.py", *s.cifar_args()]
+    cmd += ["--mixed_precision", precision, "--nan_policy", "skip"]
     cmd += ["--seed", "0", "--logging_steps", "5", "--output_dir", out, "--overwrite_output_dir", "--disable_tqdm"]
     s.sh(name, cmd)
     rows = read_rows(out)
@@ -200,6 +237,10 @@ def _precision_run(s: Suite, name: str, precision: str) -> dict:
     }
     if precision == "fp16" and not scales:
         raise CheckFailed("fp16 ran without a loss scaler (no loss_scale in metrics.jsonl)")
+    if not m["skipped_steps"]:
+        raise CheckFailed(f"the NaN loss at loss call {NAN_AT} was not skipped (skipped_steps {m['skipped_steps']})")
+    if m["final_loss"] is None or not math.isfinite(m["final_loss"]):
+        raise CheckFailed(f"the run did not recover from the NaN batch: final loss {m['final_loss']}")
     scale = f", loss scale {m['loss_scale_last']:g} (min {m['loss_scale_min']:g})" if scales else ""
     summary = f"acc {m['accuracy']:.4f}, skipped steps {m['skipped_steps']}{scale}"
     return {"metrics": m, "summary": summary}
@@ -514,5 +555,7 @@ def main():
 if __name__ == "__main__":
     if sys.argv[1:2] == [COUNT_GRAPHS]:
         count_graphs(sys.argv[2:])
+    elif sys.argv[1:2] == [NAN_LOSS]:
+        nan_loss(sys.argv[2:])
     else:
         sys.exit(main())
