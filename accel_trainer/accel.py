@@ -177,7 +177,11 @@ def _fp8_weights_saveable(accelerator: Accelerator) -> None:
     at the final save, after training). Off without FSDP2, unless the user set Accelerate's variable for it. Under
     FSDP2 it stays on (Accelerate's default, not run on a GPU here). The conversion reads this config in prepare()."""
     handler = getattr(accelerator, "ao_recipe_handler", None)
-    if handler is None or getattr(accelerator, "is_fsdp2", False) or "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER" in os.environ:
+    if (
+        handler is None
+        or getattr(accelerator, "is_fsdp2", False)
+        or "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER" in os.environ
+    ):
         return
     if handler.config is not None and handler.config.enable_fsdp_float8_all_gather:
         handler.config = dataclasses.replace(handler.config, enable_fsdp_float8_all_gather=False)
