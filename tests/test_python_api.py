@@ -161,3 +161,37 @@ def test_build_once_gives_every_rank_and_the_resume_the_same_artifact(tmp_path):
     step_3 = str(out / "checkpoints" / "step_3")
     assert f"resumed from {step_3}" in start
     assert all(s == {"vocab": first[0]["vocab"], "resuming": True, "resume_from": step_3} for s in resumed), resumed
+
+
+LAUNCH_FROM_A_NOTEBOOK = """
+from accel_trainer import notebook_launcher
+
+def train():
+    import os
+    from accelerate import PartialState  # what a Trainer in the process builds first
+    state = PartialState(cpu=True)
+    print(f"rank {state.process_index} of {state.num_processes}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+
+notebook_launcher(train, num_processes=2, use_port="{port}")
+"""
+
+
+def test_notebook_launcher_on_a_cpu_says_cpu_processes_and_warns_nothing(tmp_path):
+    # It printed "Launching training on 2 CUDAs." on a machine without a GPU, and each process warned that
+    # OMP_NUM_THREADS was unset.
+    from helpers import free_port
+
+    script = tmp_path / "launch.py"
+    script.write_text(LAUNCH_FROM_A_NOTEBOOK.replace("{port}", str(free_port())))
+    child = env(threads=None)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        child.pop(name, None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=child)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "CUDA" not in output and "OMP_NUM_THREADS/MKL_NUM_THREADS unset" not in output, output
+    assert "Launching training on 2 CPU processes (no GPU here), OMP_NUM_THREADS=1 each" in proc.stdout
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank ")) == [
+        "rank 0 of 2, OMP_NUM_THREADS=1",
+        "rank 1 of 2, OMP_NUM_THREADS=1",
+    ]
