@@ -80,7 +80,7 @@ def _value(name: str, token: str | None):
     token = token.rstrip(".:")
     if _NUMBER.match(token):
         return float(token) if any(c in token for c in ".eE") else int(token)
-    if token in CHOICES.get(name, ()) or "/" in token:
+    if token in CHOICES.get(name, ()) or ("/" in token and len(token) > 1):  # a path, not "a / b"
         return token
     return None
 
