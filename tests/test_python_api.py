@@ -195,3 +195,27 @@ def test_notebook_launcher_on_a_cpu_says_cpu_processes_and_warns_nothing(tmp_pat
         "rank 0 of 2, OMP_NUM_THREADS=1",
         "rank 1 of 2, OMP_NUM_THREADS=1",
     ]
+
+
+def test_the_end_lines_load_hint_loads_what_was_saved(tmp_path):
+    # The hint is phrased from what is on disk: a plain module's safetensors file, or a save_pretrained folder.
+    import safetensors.torch
+    import transformers
+
+    from accel_trainer.runlog import how_to_load
+
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, num_labels=3
+    )
+    saved = transformers.BertForTokenClassification(config)
+    saved.save_pretrained(tmp_path / "hf")
+    hint = how_to_load(str(tmp_path / "hf"))
+    assert hint == f"transformers.BertForTokenClassification.from_pretrained({str(tmp_path / 'hf')!r})"
+    loaded = eval(hint, {"transformers": transformers})  # the line a user would paste
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), loaded.state_dict().values()))
+    plain = torch.nn.Linear(2, 1)
+    safetensors.torch.save_model(plain, str(tmp_path / "model.safetensors"))
+    hint = how_to_load(str(tmp_path / "model.safetensors"))
+    model = torch.nn.Linear(2, 1)
+    eval(hint.split(" into ")[0], {"safetensors": safetensors, "model": model})
+    assert torch.equal(model.weight, plain.weight)
