@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .errors import UserError
+
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
@@ -17,8 +19,9 @@ LR_SCALING = ("none", "linear", "sqrt")
 COMMON_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
 
 
-class ArgumentError(ValueError):
-    """A bad argument value. The message names the flag and what to pass instead."""
+class ArgumentError(UserError, ValueError):
+    """A bad argument value. The message names the flag and what to pass instead. A ValueError too, as it was
+    before 0.3 (callers catching that)."""
 
 
 def _canonical_report_to(value) -> str:

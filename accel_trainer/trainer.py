@@ -31,10 +31,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import evaluation, faults, loaders, nan_batch, precision, preflight, sharding
+from . import debugging, evaluation, faults, loaders, nan_batch, precision, preflight, sharding
 from .accel import configure_process
 from .args import TrainingArguments
 from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
+from .entry import python_api
 from .errors import UserError
 from .events import Events
 from .optim import default_optimizer, default_scheduler
@@ -45,7 +46,7 @@ from .resolve import (
     resolve_args,
     trainer_arguments,
 )
-from .runlog import Reporter, library_versions, topology
+from .runlog import Reporter, end_line, library_versions, start_line, topology
 from .throughput import Meter, detected_peak_tflops, host_floats
 from .update import Updater, registered_comm_hook
 
@@ -86,6 +87,7 @@ class Progress:
 
 
 class Trainer:
+    @python_api  # bad input from the Python API: one UserError naming keywords, not flags (entry.py)
     def __init__(
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
@@ -101,7 +103,7 @@ class Trainer:
         self.events = Events()
         for event, handler in self.recipe.events.items():
             self.events.on(event, handler)
-        self.ctx = self._context()
+        self.ctx = self._context(resume_path)
         # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
         # arguments keep the user's --learning_rate.
         self.learning_rate = self.ctx.learning_rate
@@ -133,6 +135,7 @@ class Trainer:
         self._log_window: list = []  # (loss tensor, grad norm, step, stepped) per update since the last log
         self._nan_batches = nan_batch.Tracker(keep_batches=self.data.per_rank)  # --nan_policy stop: which batch
         self._train_iter = None  # fetch_batch()'s position
+        self._debug = debugging.DebugStart()  # undone by fit(): train_step/overfit_batch (debugging.py)
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
         self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
@@ -156,8 +159,10 @@ class Trainer:
             acc.init_trackers(args.run_name or self.recipe.name, config=self._flat_config())
         if resume_path:
             self.checkpoints.resume(resume_path)
+        self.reporter.print(start_line(self.reporter.run_config, args.output_dir, resume_path))
 
     @classmethod
+    @python_api
     def from_recipe(cls, recipe, quiet: bool = False, **values) -> Trainer:
         """A Trainer from a recipe and the values you would give as flags: `Trainer.from_recipe(regression,
         output_dir="out", max_steps=200, hidden_size=64)` is `python recipes/regression.py --output_dir out
@@ -179,7 +184,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------- set-up
 
-    def _context(self) -> RecipeContext:
+    def _context(self, resume_from: str | None) -> RecipeContext:
         acc = self.accelerator
         return RecipeContext(
             args=self.recipe_args,
@@ -188,6 +193,7 @@ class Trainer:
             process_index=acc.process_index,
             accelerator=acc,
             given=self.given,
+            resume_from=resume_from,
         )
 
     def _build_model(self) -> torch.nn.Module:
@@ -291,8 +297,11 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------------------------------------- training
+    @python_api
     def fit(self) -> dict:
-        """Train to `total_steps` optimizer updates, evaluating, logging and checkpointing on the way."""
+        """Train to `total_steps` optimizer updates, evaluating, logging and checkpointing on the way; after
+        train_step/overfit_batch, from the state the Trainer was built with (debugging.py)."""
+        self._debug.rewind(self)
         args, p = self.args, self.progress
         bar = self._progress_bar()
         metrics: dict = {}
@@ -356,6 +365,7 @@ class Trainer:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.args.output_dir, AFTER_TRAINING_TRACEBACK))
         self.accelerator.end_training()
+        self.reporter.print(end_line(self.global_step, time.perf_counter() - self.reporter.start, saved[0]))
         return metrics
 
     def _after_training_error(self, saved: list[str], what: str, error: Exception) -> AfterTrainingError:
@@ -524,6 +534,7 @@ class Trainer:
 
     def train_step(self, batch=None, schedule: bool = True) -> float:
         """One optimizer update on one batch (fetched if not given). Returns its loss (NaN for a skipped one)."""
+        self._debug.before_update(self)
         self.model.train()
         return float(self.update([batch if batch is not None else self.fetch_batch()], schedule=schedule))
 
