@@ -39,7 +39,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
     processes."""
     if not isinstance(data, dict) or "train" not in data:
         raise TypeError(f"Recipe {recipe_name}: build_data must return a dict with a 'train' entry.")
-    unknown = set(data) - {"train", "eval", "collate", "loader"}
+    unknown = set(data) - {"train", "eval", "collate", "loader", "tokenizer"}  # tokenizer: saved with the model
     if unknown:
         raise TypeError(f"Recipe {recipe_name}: build_data returned unknown keys {sorted(unknown)}.")
     make = data.get("loader")
