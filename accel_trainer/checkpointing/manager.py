@@ -37,7 +37,8 @@ from . import resume as ckpt_resume
 
 AFTER_TRAINING_TRACEBACK = "error_after_training.txt"  # a bug's traceback, named by AfterTrainingError's line
 PREVIOUS_RUN_FILES = (
-    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK
+    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK,
+    "config.json", "generation_config.json",  # a transformers model's (pretrained.py): never beside other weights
 )  # fmt: skip
 
 
