@@ -103,6 +103,6 @@ def push_to_hub(output_dir: str, repo_id: str, step: int) -> str:
         cause = (str(e).strip().splitlines() or [""])[0][:300].rstrip(".")
         raise HubPushError(
             f"Pushing {output_dir} to the Hub as {repo_id} failed: {type(e).__name__}: {cause}. The model is saved "
-            f"in {output_dir}; push it later with: hf upload {repo_id} {output_dir} . --exclude 'checkpoints/*'"
+            f"in {output_dir}; push it later with: hf upload {repo_id} {output_dir} . --exclude 'checkpoints/*' 'best/*'"
         ) from None
     return str(getattr(commit, "commit_url", commit))
