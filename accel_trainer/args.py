@@ -92,6 +92,18 @@ class TrainingArguments:
         },
     )
 
+    push_to_hub: bool = field(
+        default=False,
+        metadata={
+            "help": "At the end of the run, upload output_dir (the final model, run_config.json, metrics.jsonl; not "
+            "checkpoints/ nor best/) to the Hub repo --hub_model_id, with the token huggingface_hub finds "
+            "(HF_TOKEN, or `hf auth login`)."
+        },
+    )
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "The Hub model repo --push_to_hub uploads to: <user or org>/<name>."}
+    )
+
     # --- batch and optimisation ----------------------------------------------------------------------------------
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per micro-batch per process."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per eval batch per process."})
@@ -296,6 +308,13 @@ class TrainingArguments:
             bad("peak_tflops", f"must be > 0, got {self.peak_tflops}.")
         if self.profile_steps is not None:
             self.profile_range  # noqa: B018 - validates
+        if self.push_to_hub and not self.hub_model_id:
+            bad("push_to_hub", "needs the repo to upload to: add --hub_model_id <user or org>/<name>.")
+        if self.push_to_hub:
+            from huggingface_hub import get_token  # HF_TOKEN or `hf auth login`'s: known now, not after training
+
+            if get_token() is None:
+                bad("push_to_hub", "no Hub token found: set HF_TOKEN or run `hf auth login`, or drop --push_to_hub.")
 
     @property
     def trackers(self) -> list[str] | str | None:

@@ -44,7 +44,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
             f"Recipe {recipe_name}: build_data returned {got}; it must return a dict with a 'train' entry: "
             "return {'train': train_set, 'eval': eval_set} (docs/architecture.md)."
         )
-    unknown = set(data) - {"train", "eval", "collate", "loader"}
+    unknown = set(data) - {"train", "eval", "collate", "loader", "tokenizer"}  # tokenizer: saved with the model
     if unknown:
         raise RecipeError(f"Recipe {recipe_name}: build_data returned unknown keys {sorted(unknown)}.")
     make = data.get("loader")

@@ -35,6 +35,7 @@ from . import debugging, evaluation, faults, loaders, nan_batch, precision, pref
 from .accel import configure_process
 from .args import TrainingArguments
 from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
+from .checkpointing.pretrained import push_to_hub
 from .entry import python_api
 from .errors import UserError
 from .events import Events
@@ -113,9 +114,9 @@ class Trainer:
         set_seed(args.seed)
         model = self._build_model()
         # self.data: where the run is in its data (loaders.MapPosition, or streaming.Stream for a stream)
-        self.train_loader, self.eval_loader, self.data = loaders.build_loaders(
-            self.recipe.build_data(self.ctx), args, acc, self.recipe.name
-        )
+        built = self.recipe.build_data(self.ctx)
+        self.train_loader, self.eval_loader, self.data = loaders.build_loaders(built, args, acc, self.recipe.name)
+        self.tokenizer = built.get("tokenizer")  # saved beside a transformers model (checkpointing/pretrained.py)
         if args.dataloader_num_workers and not isinstance(self.train_loader, DataLoader):  # a stream's is one
             self.reporter.print(
                 f"note: --dataloader_num_workers {args.dataloader_num_workers} does nothing here: recipe "
@@ -149,7 +150,7 @@ class Trainer:
             optimizer=self.optimizer, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
             fire=lambda event, *a: self.events.fire(event, self, *a), before_save=self.log,
             save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
-            if self.sharded else None,
+            if self.sharded else None, tokenizer=self.tokenizer,
         )  # fmt: skip
         if args.profile_steps:
             self._attach_profiler()
@@ -366,6 +367,9 @@ class Trainer:
                 os.remove(os.path.join(self.args.output_dir, AFTER_TRAINING_TRACEBACK))
         self.accelerator.end_training()
         self.reporter.print(end_line(self.global_step, time.perf_counter() - self.reporter.start, saved[0]))
+        if self.args.push_to_hub and self.accelerator.is_main_process:  # a failure: one line, the model stays saved
+            url = push_to_hub(self.args.output_dir, self.args.hub_model_id, self.global_step)
+            self.reporter.print(f"Pushed {self.args.output_dir} to the Hub: {url}")
         return metrics
 
     def _after_training_error(self, saved: list[str], what: str, error: Exception) -> AfterTrainingError:
