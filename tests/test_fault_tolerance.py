@@ -20,7 +20,7 @@ import time
 
 import psutil
 import pytest
-from helpers import env, flags, last_step, launch_cmd, small_tmpfs
+from helpers import ELASTIC_ENV, env, flags, last_step, launch_cmd, small_tmpfs
 from procs import Launch
 
 from accel_trainer.cluster.cluster_config import RESTART_SAFE_ENV
@@ -291,7 +291,7 @@ def test_elastic_restart_after_a_worker_dies_resumes_and_matches(tmp_path, runs,
         out,
         2,
         faults="exit_at=1:10",
-        extra_env={RESTART_SAFE_ENV: "1"},
+        extra_env={RESTART_SAFE_ENV: "1", **ELASTIC_ENV},
         launcher_args=["--max_restarts", "1", "--rdzv_backend", "c10d"],
     )
     rc = r.wait()
