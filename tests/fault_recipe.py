@@ -15,6 +15,10 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                nan_sample=I   training sample I's features are NaN (a bad row in the data: its
                                               batch's loss is NaN; --nan_policy stop names and saves it)
                                sigint_at=N    every rank gets SIGINT (Ctrl-C) after update N
+                               store_delay=S  from the last update on, the stack-dump watcher's store answers
+                                              its poll S s late (a loaded machine): the watcher is inside that
+                                              call (torch's, the GIL let go) when training ends; fit_end fails if
+                                              the watcher outlived the training loop
                                hold_save=N    the background write (--save_async) of step N holds before its
                                               commit until one of the three faults above has fired, then until
                                               the process is exiting or 3 s have passed: a run that leaves fit()
@@ -83,6 +87,8 @@ def build_data(ctx):
         rank = os.environ.get("RANK", "0")
         print(f"[test fault] rank {rank} builds its data for {delay:g} s", file=sys.stderr, flush=True)
         time.sleep(delay)
+    if "store_delay" in _parse(ctx.args.faults):
+        _slow_watcher_store(_parse(ctx.args.faults)["store_delay"])
     data = regression.build_data(ctx)
     bad = _parse(ctx.args.faults).get("nan_sample")
     if bad is not None:
@@ -91,7 +97,7 @@ def build_data(ctx):
 
 
 KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
-        "hold_save", "sleep_in_loss", "nan_sample")  # fmt: skip
+        "hold_save", "sleep_in_loss", "nan_sample", "store_delay")  # fmt: skip
 
 
 def _faults(trainer) -> dict:
@@ -108,9 +114,50 @@ def _parse(faults: str) -> dict:
     return spec
 
 
+_last_update = threading.Event()  # store_delay: training's last update is done
+_watcher_waits = threading.Event()  # store_delay: the watcher is inside its slow store call
+
+
+def _slow_watcher_store(delay: float):
+    """store_delay: the stack-dump watcher (faults.StackDumps) gets a store whose poll, from the last update on,
+    first waits `delay` s inside the store's own C++ wait (on a key nobody sets), as a slow answer would."""
+    from datetime import timedelta
+
+    from accel_trainer import faults
+
+    class SlowStore:
+        def __init__(self, store):
+            self.store = store
+
+        def check(self, keys):
+            if _last_update.is_set():
+                _watcher_waits.set()
+                try:
+                    self.store.wait(["test_fault/never_set"], timedelta(seconds=delay))
+                except Exception:  # noqa: BLE001 - the wait's timeout: the slow answer is over
+                    pass
+            return self.store.check(keys)
+
+        def get(self, key):
+            return self.store.get(key)
+
+    real = faults.StackDumps._store
+    faults.StackDumps._store = lambda self: (lambda s: SlowStore(s) if s is not None else None)(real(self))
+
+
+def on_fit_end(trainer, metrics):
+    if "store_delay" in _faults(trainer):
+        left = [t.name for t in threading.enumerate() if t.name == "accel_trainer-stack-dumps" and t.is_alive()]
+        assert not left, f"test fault: the stack-dump watcher outlived the training loop ({left})"
+
+
 def on_update_end(trainer):
     f, rank, step = _faults(trainer), trainer.accelerator.process_index, trainer.global_step
     time.sleep(f.get("step_delay", 0))
+    if "store_delay" in f and step >= trainer.total_steps:  # the loop ends while the watcher's call is slow
+        _last_update.set()
+        _watcher_waits.wait(timeout=5)
+        time.sleep(0.1)  # inside the store's wait by now (it lets the GIL go)
     if f.get("exit_at") == (rank, step) and restart_count() == 0:
         print(f"[test fault] rank {rank} exits with status 3 after step {step}", file=sys.stderr, flush=True)
         os._exit(3)
