@@ -15,6 +15,8 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                nan_sample=I   training sample I's features are NaN (a bad row in the data: its
                                               batch's loss is NaN; --nan_policy stop names and saves it)
                                sigint_at=N    every rank gets SIGINT (Ctrl-C) after update N
+                               oom_above=B[:R]  `loss` raises torch.OutOfMemoryError on a training batch of more
+                                              than B samples (on rank R only, if given), as a forward would
                                hold_save=N    the background write (--save_async) of step N holds before its
                                               commit until one of the three faults above has fired, then until
                                               the process is exiting or 3 s have passed: a run that leaves fit()
@@ -29,6 +31,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 import regression  # noqa: E402
@@ -66,6 +70,10 @@ def loss(model, batch):
     if _sleep_now:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a process stuck in C code: torchrun's SIGTERM ends it
         time.sleep(600)  # sleep_in_loss: the line a hang report must name
+    oom = _parse(_args.faults).get("oom_above") if _args is not None else None
+    if oom and torch.is_grad_enabled() and len(batch["x"]) > oom[0] and oom[1:] in ((), (_rank(),)):
+        # Only with gradients on, as activations kept for the backward would: the first-batch check (no_grad) fits.
+        raise torch.OutOfMemoryError(f"test fault: {len(batch['x'])} samples do not fit (oom_above={oom[0]})")
     loss, n = regression.loss(model, batch)
     if _nan_now:
         _faulted.set()
@@ -77,7 +85,16 @@ _nan_now = False  # set by nan_at, from the update_end before that update
 _sleep_now = False  # set by sleep_in_loss, likewise
 
 
+_args = None  # the recipe's Args, from build_data
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def build_data(ctx):
+    global _args
+    _args = ctx.args
     delay = _parse(ctx.args.faults).get("build_delay", 0)
     if delay:
         rank = os.environ.get("RANK", "0")
@@ -91,7 +108,7 @@ def build_data(ctx):
 
 
 KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
-        "hold_save", "sleep_in_loss", "nan_sample")  # fmt: skip
+        "hold_save", "sleep_in_loss", "nan_sample", "oom_above")  # fmt: skip
 
 
 def _faults(trainer) -> dict:
