@@ -120,7 +120,7 @@ class Updater:
         acc = self.accelerator
         loss_sum, n_sum = None, 0
         self.micro_losses = []
-        weighted = self.weighted or self.micro.splits
+        by_items = self.weighted or self.micro.splits  # a cut loader batch is several micro-batches
         flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
         with flops or nullcontext():
             for i, batch in enumerate(window):
@@ -132,7 +132,7 @@ class Updater:
                         self.micro_losses[-1] = self.micro_losses[-1] + detached
                     else:
                         self.micro_losses.append(detached)  # which micro-batch was not finite, read only if one was
-                    if not weighted:  # one micro-batch on one process: its mean is the update's, as it is
+                    if not by_items:  # one micro-batch on one process: its mean is the update's, as it is
                         self._backward(loss)
                         loss_sum, n_sum = detached, n  # no kernels to weigh it (~10 us per update)
                         continue
@@ -155,14 +155,14 @@ class Updater:
                         self._backward(loss * n * self._to_mean(n_sum, self.accelerator.num_processes))
                     else:
                         self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
-        if weighted and self.sharded:
+        if by_items and self.sharded:
             # FSDP2 accumulates a window's gradients inside its unsharded parameters, out of our reach until the
             # last backward's reduce-scatter writes the sharded .grad: scaled after it (see _to_mean).
             loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
             self._to_mean(n_sum, self.accelerator.num_processes)
         if flops is not None:
             self.meter.counted(flops)
-        return (loss_sum / n_sum).detach() if weighted else loss_sum, n_sum
+        return (loss_sum / n_sum).detach() if by_items else loss_sum, n_sum
 
     def _clip(self):
         """Clip the gradients to --max_grad_norm; returns the norm before clipping (a tensor, no host sync)."""

@@ -25,14 +25,24 @@ def test_out_of_memory_halves_the_micro_batch_and_gives_the_weights_of_a_run_sta
     # Rank 1 alone runs out on 2 processes: rank 0 must learn it at the update's all-reduce, not hang in DDP's.
     oom = "oom_above=4" if nproc == 1 else "oom_above=4:1"
     big, small = tmp_path / "big", tmp_path / "small"
-    r = run(SCRIPT, ["--output_dir", big, "--faults", oom, "--auto_micro_batch", "--save_steps", 0, *COMMON]
-            + flags(per_device_train_batch_size=8, gradient_accumulation_steps=2), nproc=nproc, timeout=240)
+    r = run(
+        SCRIPT,
+        ["--output_dir", big, "--faults", oom, "--auto_micro_batch", "--save_steps", 0, *COMMON]
+        + flags(per_device_train_batch_size=8, gradient_accumulation_steps=2),
+        nproc=nproc,
+        timeout=240,
+    )
     halved = [x for x in r.stdout.splitlines() if x.startswith("out of memory at micro-batch size 8 ")]
     assert len(halved) == 1, r.stdout + r.stderr  # once: the redone update and all later ones fit
     assert "halves it to 4 and accumulates 4 micro-batches per update (was 2)" in halved[0]
     assert "the update is redone from the same data" in halved[0]
-    run(SCRIPT, ["--output_dir", small, "--save_steps", 0, *COMMON]
-        + flags(per_device_train_batch_size=4, gradient_accumulation_steps=4), nproc=nproc, timeout=240)
+    run(
+        SCRIPT,
+        ["--output_dir", small, "--save_steps", 0, *COMMON]
+        + flags(per_device_train_batch_size=4, gradient_accumulation_steps=4),
+        nproc=nproc,
+        timeout=240,
+    )
     a, b = weights(big), weights(small)
     assert a.keys() == b.keys()
     if nproc == 1:  # the same micro-batches in the same order: the same arithmetic
