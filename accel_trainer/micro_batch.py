@@ -127,6 +127,10 @@ class MicroBatches:
             # DDP._update_process_group calls it) forgets the forward whose backward will not run, on every rank
             # alike (it also lets DDP rebuild its buckets once more, a collective every rank then joins).
             updater.ddp.reducer._reset_state()
+            # DDP broadcasts its buffers in a window's first forward when the previous forward synced; a rank that
+            # failed before its last forward ended holds another value than one that did not, so the redo's first
+            # forward would broadcast on some ranks only. True on every rank: the broadcast a window starts with.
+            updater.ddp.require_forward_param_sync = True
         self.say(
             f"out of memory at micro-batch size {size} ({self._where(ranks, failed)}): --auto_micro_batch halves it "
             f"to {self.size} and accumulates {self.accumulation_now()} micro-batches per update (was "
