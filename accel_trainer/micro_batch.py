@@ -16,6 +16,8 @@ flag). A rank that fails joins that same all-reduce from its handler; a rank tha
 there. Either way every rank sees the same count and takes the same decision: halve and redo, or stop. An
 out-of-memory error in the window's last backward, after the vote, cannot be agreed on any more (the other ranks
 are inside DDP's all-reduce): on several processes that is the one-line stop; on one process it is redone too.
+Before a redo every rank puts DDP back to a window's start (_decide): without that, a rank that had run the synced
+forward all-reduces alone in the redo's first backward, or broadcasts buffers alone (both seen to hang in tests).
 
 The size is saved in checkpoints (`micro_batch_size` in trainer_state.json): a resumed run keeps the halved size,
 with or without the flag. The decision is read twice for CUDA (the cache is emptied before the redo) but has run
