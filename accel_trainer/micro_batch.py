@@ -171,8 +171,13 @@ class MicroBatches:
 
     def load_state_dict(self, state: dict):
         size = state.get("micro_batch_size")
+        if size is not None and (type(size) is not int or size < 1):
+            raise UserError(
+                f"The checkpoint's trainer_state.json has micro_batch_size {size!r}, not a positive integer or null: "
+                "not written by this Trainer. Set it to null (the loader's batch) or to the size to resume with."
+            )
         if size is not None and size < self.batch_size:
-            self.size = int(size)
+            self.size = size
             self.say(
                 f"micro-batch size {self.size} (halved by --auto_micro_batch in the checkpoint's run), "
                 f"{self.accumulation_now()} micro-batches per update."

@@ -109,3 +109,16 @@ def test_out_of_memory_at_one_sample_stops_in_one_line(tmp_path):
     assert r.returncode == 1 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     assert errors[0].startswith("error: Out of memory at a micro-batch of 1 sample with --auto_micro_batch"), errors
     assert "nothing is left to halve" in errors[0]
+
+
+@pytest.mark.parametrize("size", ["4", 0, 2.5])
+def test_a_checkpoint_micro_batch_size_that_is_not_a_positive_integer_is_one_line(size):
+    from types import SimpleNamespace
+
+    from accel_trainer.errors import UserError
+    from accel_trainer.micro_batch import MicroBatches
+
+    args = SimpleNamespace(auto_micro_batch=True, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    accelerator = SimpleNamespace(distributed_type=None, num_processes=1)
+    with pytest.raises(UserError, match=r"micro_batch_size .* not a positive integer or null"):
+        MicroBatches(args, accelerator).load_state_dict({"micro_batch_size": size})
