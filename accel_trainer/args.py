@@ -114,6 +114,13 @@ class TrainingArguments:
             " x gradient_accumulation_steps x number of processes."
         },
     )
+    auto_micro_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "Out of memory in an update: halve the micro-batch and double the accumulation (the global "
+            "batch and the numbers unchanged), agreed by every rank, and redo the update; saved in checkpoints."
+        },
+    )
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate of the default AdamW."})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay (not on biases/norms)."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})

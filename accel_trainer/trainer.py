@@ -143,7 +143,7 @@ class Trainer:
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
-            preemption=self.preemption,
+            preemption=self.preemption, say=self.reporter.print,
         )  # fmt: skip
         self.checkpoints = CheckpointManager(
             acc, args, state=[self.progress, self.data, self.updater], data=self.data, model=self.model,

@@ -19,6 +19,10 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                               its poll S s late (a loaded machine): the watcher is inside that
                                               call (torch's, the GIL let go) when training ends; fit_end fails if
                                               the watcher outlived the training loop
+                               oom_above=B[:R]  `loss` raises torch.OutOfMemoryError on a training batch of more
+                                              than B samples (on rank R only, if given), as a forward would
+                               oom_once=R:K   rank R's K-th `loss` call with gradients raises it, once
+                               buffer=1       the model has a buffer (DDP broadcasts it in a window's first forward)
                                hold_save=N    the background write (--save_async) of step N holds before its
                                               commit until one of the three faults above has fired, then until
                                               the process is exiting or 3 s have passed: a run that leaves fit()
@@ -34,11 +38,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 import regression  # noqa: E402
 from regression import (  # noqa: E402,F401
     build_metrics,
-    build_model,
     build_optimizer,
     build_scheduler,
     configure,
@@ -70,6 +75,16 @@ def loss(model, batch):
     if _sleep_now:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a process stuck in C code: torchrun's SIGTERM ends it
         time.sleep(600)  # sleep_in_loss: the line a hang report must name
+    spec = _parse(_args.faults) if _args is not None else {}
+    oom = spec.get("oom_above")
+    if "oom_once" in spec and torch.is_grad_enabled() and spec["oom_once"][0] == _rank():
+        global _calls
+        _calls += 1
+        if _calls == spec["oom_once"][1]:
+            raise torch.OutOfMemoryError(f"test fault: loss call {_calls} does not fit (oom_once)")
+    if oom and torch.is_grad_enabled() and len(batch["x"]) > oom[0] and oom[1:] in ((), (_rank(),)):
+        # Only with gradients on, as activations kept for the backward would: the first-batch check (no_grad) fits.
+        raise torch.OutOfMemoryError(f"test fault: {len(batch['x'])} samples do not fit (oom_above={oom[0]})")
     loss, n = regression.loss(model, batch)
     if _nan_now:
         _faulted.set()
@@ -81,7 +96,24 @@ _nan_now = False  # set by nan_at, from the update_end before that update
 _sleep_now = False  # set by sleep_in_loss, likewise
 
 
+_args = None  # the recipe's Args, from build_data
+_calls = 0  # loss calls with gradients on this rank (oom_once)
+
+
+def build_model(ctx):
+    model = regression.build_model(ctx)
+    if "buffer" in _parse(ctx.args.faults):
+        model.register_buffer("seen", torch.zeros(1))
+    return model
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def build_data(ctx):
+    global _args
+    _args = ctx.args
     delay = _parse(ctx.args.faults).get("build_delay", 0)
     if delay:
         rank = os.environ.get("RANK", "0")
@@ -97,7 +129,7 @@ def build_data(ctx):
 
 
 KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
-        "hold_save", "sleep_in_loss", "nan_sample", "store_delay")  # fmt: skip
+        "hold_save", "sleep_in_loss", "nan_sample", "store_delay", "oom_above", "oom_once", "buffer")  # fmt: skip
 
 
 def _faults(trainer) -> dict:
