@@ -102,12 +102,13 @@ def start_line(config: dict, output_dir: str, resumed_from: str | None) -> str:
 def how_to_load(path: str) -> str:
     """How to load what the run saved at `path`, phrased from what is there: a save_pretrained folder (its
     config.json names the class) or a safetensors file of a plain module. Reads JSON only (no code runs)."""
-    config = os.path.join(path, "config.json")
-    if os.path.isdir(path) and os.path.isfile(config):
+    folder = path if os.path.isdir(path) else os.path.dirname(path)  # the weights file of a save_pretrained folder
+    config = os.path.join(folder, "config.json")
+    if os.path.isfile(config):
         with open(config) as f:
             architectures = json.load(f).get("architectures") or []
         cls = f"transformers.{architectures[0]}" if architectures else "transformers.AutoModel"
-        return f"{cls}.from_pretrained({path!r})"
+        return f"{cls}.from_pretrained({folder!r})"
     return (
         f"safetensors.torch.load_model(model, {path!r}) into the model the recipe's build_model builds "
         "(docs/architecture.md)"
@@ -115,9 +116,10 @@ def how_to_load(path: str) -> str:
 
 
 def end_line(steps: int, seconds: float, model_path: str) -> str:
-    return f"accel-trainer: done at step {steps} ({seconds:.1f} s); the model is {model_path}; load it with " + (
-        how_to_load(model_path)
-    )
+    hint = how_to_load(model_path)
+    if ".from_pretrained(" in hint:  # a save_pretrained folder: the folder is what loads
+        model_path = os.path.dirname(model_path) if os.path.isfile(model_path) else model_path
+    return f"accel-trainer: done at step {steps} ({seconds:.1f} s); the model is {model_path}; load it with {hint}"
 
 
 def topology(accelerator) -> dict:

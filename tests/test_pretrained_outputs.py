@@ -92,11 +92,13 @@ def logits(model, batch) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("recipe", list(SPECS))
-def test_one_process_output_and_best_load_with_from_pretrained_and_pipeline(assets, recipe, tmp_path):
+def test_one_process_output_and_best_load_with_from_pretrained_and_pipeline(assets, recipe, tmp_path, capsys):
     out = str(tmp_path / "out")
-    trainer = Trainer.from_recipe(os.path.join(RECIPES, f"{recipe}.py"), quiet=True, output_dir=out,
+    trainer = Trainer.from_recipe(os.path.join(RECIPES, f"{recipe}.py"), output_dir=out,
                                   metric_for_best_model="eval_loss", **COMMON, **assets[recipe])  # fmt: skip
     trainer.fit()
+    (end,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("accel-trainer: done")]
+    assert end.endswith(f".from_pretrained({out!r})"), end  # the end line's hint: the folder, as transformers loads
     assert_save_pretrained_folder(out, recipe)
     assert_save_pretrained_folder(os.path.join(out, "best"), recipe)
     batch = next(iter(trainer.eval_loader))
