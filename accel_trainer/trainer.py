@@ -86,8 +86,9 @@ class Trainer:
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
         # Set-up flows one way. The arguments, resolved once (resolve.py; run() and from_recipe have done it, a
-        # notebook's TrainingArguments(...) is resolved here like the same flags), with the recipe loaded once and
-        # the run's one RecipeContext, which the recipe's configure saw.
+        # notebook's TrainingArguments(...) is resolved here like the same flags), with the recipe loaded once (given
+        # ResolvedArgs, the recipe they were resolved for is the one used) and the run's one RecipeContext, which
+        # the recipe's configure saw.
         resolved = (
             args if isinstance(args, ResolvedArgs) else resolve_args(recipe, values=user_values(args, recipe_args))
         )
