@@ -1,11 +1,13 @@
-"""The run's parts built from the recipe, in the order the Trainer's set-up builds them: the model, the optimizer and
-scheduler prepared by Accelerate (under FSDP: sharded), the fp8 check, the EMA copy; then what run_config.json and
-the trackers record of them. Each takes what it needs; none keeps state (the Trainer holds what they return).
+"""The run's parts built from the recipe, in the order the Trainer's set-up builds them: the model (build_model),
+then, once the data has sized the run, the model made ready to train (prepare: the optimizer and scheduler prepared
+by Accelerate, under FSDP sharded; the fp8 check; the EMA copy); then what run_config.json records of them.
+Each takes what it needs; none keeps state (the Trainer holds what they return).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -36,10 +38,22 @@ def build_model(recipe, ctx) -> torch.nn.Module:
     return model
 
 
-def prepare(recipe, ctx, model):
-    """((model, optimizer, scheduler) prepared by Accelerate, what sharding learned): the recipe's optimizer and
-    scheduler, or our defaults (optim.py, at ctx.learning_rate). Under FSDP (sharding.py): the wrap policy for this
-    model first, then the check that it really is sharded. ctx.num_training_steps is set."""
+class Prepared(NamedTuple):
+    """The model made ready to train: what Accelerate prepared (under FSDP: sharded), what sharding learned, the
+    fp8 count and the EMA copy."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    sharding_info: Any
+    fp8_layers: dict | None  # {"converted", "linear", "backend"} under fp8, else None
+    ema: AveragedModel | None  # None without --ema_decay
+
+
+def prepare(recipe, ctx, model) -> Prepared:
+    """The recipe's optimizer and scheduler, or our defaults (optim.py, at ctx.learning_rate; ctx.num_training_steps
+    is set), prepared by Accelerate. Under FSDP (sharding.py): the wrap policy for this model first, then the check
+    that it really is sharded. Then the fp8 check and the EMA copy of the prepared model."""
     args, acc = ctx.targs, ctx.accelerator
     optimizer = (
         recipe.build_optimizer(model, ctx)
@@ -51,23 +65,21 @@ def prepare(recipe, ctx, model):
         if recipe.build_scheduler
         else default_scheduler(optimizer, ctx.num_training_steps, args)
     )
-    return sharding.prepare_sharded(acc, model, optimizer, scheduler, wrap=recipe.fsdp_wrap)
+    (model, optimizer, scheduler), info = sharding.prepare_sharded(
+        acc, model, optimizer, scheduler, wrap=recipe.fsdp_wrap
+    )
+    ema = None
+    if args.ema_decay > 0:  # of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names
+        plain = acc.unwrap_model(model, keep_torch_compile=False)
+        ema = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay), use_buffers=True)
+    return Prepared(model, optimizer, scheduler, info, _check_fp8(acc, model), ema)
 
 
-def check_fp8(accelerator, model) -> dict | None:
-    """fp8 converts only some layers: counted ({"converted", "linear", "backend"}, for run_config.json and the
-    console), and refused when there are none. None without fp8."""
+def _check_fp8(accelerator, model) -> dict | None:
+    # fp8 converts only some layers: counted (for run_config.json and the console), refused when there are none.
     if accelerator.mixed_precision != "fp8":
         return None
     return precision.check_fp8_layers(model, str(accelerator.fp8_backend.value))
-
-
-def build_ema(plain_model: torch.nn.Module, decay: float) -> AveragedModel | None:
-    """The EMA copy (None without --ema_decay), of the plain module: of the compiled wrapper it would hold (and
-    save) `_orig_mod.` names."""
-    if decay <= 0:
-        return None
-    return AveragedModel(plain_model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
 
 
 def run_config(trainer) -> dict:

@@ -129,13 +129,15 @@ class Trainer:
         self.micro_batches_per_epoch, self.updates_per_epoch, self.total_steps = run_length
         self.ctx.complete(num_training_steps=self.total_steps)
 
-        # Optimisation: the recipe's optimizer and scheduler, or our defaults; prepared (under FSDP: sharded).
-        (self.model, self.optimizer, self.scheduler), self.sharding_info = build.prepare(self.recipe, self.ctx, model)
+        # Optimisation (build.prepare): the recipe's optimizer and scheduler, or our defaults, prepared (under FSDP:
+        # sharded); the fp8 count (None without fp8) and the EMA copy (None without --ema_decay).
+        ready = build.prepare(self.recipe, self.ctx, model)
+        self.model, self.optimizer, self.scheduler, self.sharding_info, self.fp8_layers, self.ema = ready
         self.sharded = acc.distributed_type == DistributedType.FSDP
-        self.fp8_layers = c = build.check_fp8(acc, self.model)  # {"converted", "linear", "backend"} under fp8
-        if c:
-            self.reporter.print(f"fp8: {c['converted']} of {c['linear']} Linear layers converted ({c['backend']}).")
-        self.ema = build.build_ema(self.unwrapped_model, args.ema_decay)  # None without --ema_decay
+        if ready.fp8_layers:
+            self.reporter.print(
+                "fp8: {converted} of {linear} Linear layers converted ({backend}).".format(**ready.fp8_layers)
+            )
 
         # The run's state, and the components that own theirs.
         self.progress = Progress(**kept_best)
