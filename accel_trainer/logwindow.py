@@ -63,9 +63,13 @@ class LogWindow:
             metrics["loss_scale"] = scaler.get_scale()
         if self.progress.skipped_steps or scaler is not None or args.nan_policy == "skip":
             metrics["skipped_steps"] = self.progress.skipped_steps
+        self.clear()
+        return metrics
+
+    def clear(self):
+        """Forget the updates since the last row (also for updates that are undone, not logged)."""
         self.updates = []
         self.batches.clear()
-        return metrics
 
     def _stop_if_not_finite(self, losses, norms: dict):
         """--nan_policy stop: the first update of the window whose loss, or whose gradient norm (`norms`: index in

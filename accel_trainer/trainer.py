@@ -100,12 +100,12 @@ class Trainer:
         # run_config.json ("process"); the world is known from here on, and completes the context.
         self.accelerator, self.process = configure_process(args)
         acc = self.accelerator
+        self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
+        resume_path, kept_best = prepare_output_dir(acc, args)  # checked on every rank before any rank writes
         self.ctx = resolved.ctx.complete(acc, targs=args)
         # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
         # arguments keep the user's --learning_rate.
         self.learning_rate = self.ctx.learning_rate
-        self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
-        resume_path, kept_best = prepare_output_dir(acc, args)  # checked on every rank before any rank writes
         self.events = Events()
         for event, handler in self.recipe.events.items():
             self.events.on(event, handler)
