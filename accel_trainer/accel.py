@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 
@@ -164,8 +165,27 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         fsdp_plugin=plugin,
     )
     sharding.activate_fsdp(accelerator, plugin)  # on CPU, Accelerate would run DDP instead: see sharding.py
+    _fp8_weights_saveable(accelerator)
     _refuse_ignored_settings(accelerator, args)
     return accelerator
+
+
+def _fp8_weights_saveable(accelerator: Accelerator) -> None:
+    """torchao's fp8 (Accelerate's pick where torchao is installed) wraps every converted weight in a tensor subclass
+    for FSDP2's fp8 all-gather, which Accelerate turns on by default even with no FSDP2 to gather for; safetensors
+    cannot save such a weight (seen on an H100: "Attempted to access the data pointer on an invalid python storage"
+    at the final save, after training). Off without FSDP2, unless the user set Accelerate's variable for it. Under
+    FSDP2 it stays on (Accelerate's default, not run on a GPU here). The conversion reads this config in prepare()."""
+    handler = getattr(accelerator, "ao_recipe_handler", None)
+    if (
+        handler is None
+        or getattr(accelerator, "is_fsdp2", False)
+        or "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER" in os.environ
+    ):
+        return
+    if handler.config is not None and handler.config.enable_fsdp_float8_all_gather:
+        handler.config = dataclasses.replace(handler.config, enable_fsdp_float8_all_gather=False)
+        handler.enable_fsdp_float8_all_gather = False
 
 
 def _kwargs_handlers(args: TrainingArguments) -> list:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .errors import UserError
+
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
@@ -17,8 +19,9 @@ LR_SCALING = ("none", "linear", "sqrt")
 COMMON_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
 
 
-class ArgumentError(ValueError):
-    """A bad argument value. The message names the flag and what to pass instead."""
+class ArgumentError(UserError, ValueError):
+    """A bad argument value. The message names the flag and what to pass instead. A ValueError too, as it was
+    before 0.3 (callers catching that)."""
 
 
 def _canonical_report_to(value) -> str:
@@ -89,6 +92,18 @@ class TrainingArguments:
         },
     )
 
+    push_to_hub: bool = field(
+        default=False,
+        metadata={
+            "help": "At the end of the run, upload output_dir (the final model, run_config.json, metrics.jsonl; not "
+            "checkpoints/ nor best/) to the Hub repo --hub_model_id, with the token huggingface_hub finds "
+            "(HF_TOKEN, or `hf auth login`)."
+        },
+    )
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "The Hub model repo --push_to_hub uploads to: <user or org>/<name>."}
+    )
+
     # --- batch and optimisation ----------------------------------------------------------------------------------
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Samples per micro-batch per process."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Samples per eval batch per process."})
@@ -97,6 +112,13 @@ class TrainingArguments:
         metadata={
             "help": "Micro-batches per optimizer update. Global batch = per_device_train_batch_size"
             " x gradient_accumulation_steps x number of processes."
+        },
+    )
+    auto_micro_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "Out of memory in an update: halve the micro-batch and double the accumulation (the global "
+            "batch and the numbers unchanged), agreed by every rank, and redo the update; saved in checkpoints."
         },
     )
     learning_rate: float = field(default=5e-5, metadata={"help": "Peak learning rate of the default AdamW."})
@@ -293,6 +315,13 @@ class TrainingArguments:
             bad("peak_tflops", f"must be > 0, got {self.peak_tflops}.")
         if self.profile_steps is not None:
             self.profile_range  # noqa: B018 - validates
+        if self.push_to_hub and not self.hub_model_id:
+            bad("push_to_hub", "needs the repo to upload to: add --hub_model_id <user or org>/<name>.")
+        if self.push_to_hub:
+            from huggingface_hub import get_token  # HF_TOKEN or `hf auth login`'s: known now, not after training
+
+            if get_token() is None:
+                bad("push_to_hub", "no Hub token found: set HF_TOKEN or run `hf auth login`, or drop --push_to_hub.")
 
     @property
     def trackers(self) -> list[str] | str | None:

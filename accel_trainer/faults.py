@@ -358,6 +358,7 @@ class StackDumps:
     """
 
     POLL_S = 0.5
+    JOIN_S = 2  # stop() waits this long at most for the watcher to leave a store call (one answers in milliseconds)
 
     def __init__(self, folder: str, rank: int):
         self.directory = os.path.join(folder, STACKS_DIR)
@@ -378,7 +379,13 @@ class StackDumps:
         self._thread.start()
 
     def stop(self):
+        """The watcher ends and is waited for (bounded): a daemon thread still inside a store call (torch's binding
+        lets the GIL go during it) when the interpreter exits aborts the whole process as that call returns --
+        "terminate called without an active exception", SIGABRT, after a run that had finished -- because taking
+        the GIL back in a finalizing interpreter ends the thread inside a C++ destructor."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.JOIN_S)
 
     def _store(self):
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from . import streaming
 from .errors import UserError
+from .recipe import RecipeError
 
 
 class ShortEpochError(UserError):
@@ -38,10 +39,14 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
     drop_last=)` batches them (a batch loader, or None for ours) or a DataLoader that Accelerate shards over the
     processes."""
     if not isinstance(data, dict) or "train" not in data:
-        raise TypeError(f"Recipe {recipe_name}: build_data must return a dict with a 'train' entry.")
-    unknown = set(data) - {"train", "eval", "collate", "loader"}
+        got = f"a dict with keys {sorted(data)}" if isinstance(data, dict) else f"a {type(data).__name__}"
+        raise RecipeError(
+            f"Recipe {recipe_name}: build_data returned {got}; it must return a dict with a 'train' entry: "
+            "return {'train': train_set, 'eval': eval_set} (docs/architecture.md)."
+        )
+    unknown = set(data) - {"train", "eval", "collate", "loader", "tokenizer"}  # tokenizer: saved with the model
     if unknown:
-        raise TypeError(f"Recipe {recipe_name}: build_data returned unknown keys {sorted(unknown)}.")
+        raise RecipeError(f"Recipe {recipe_name}: build_data returned unknown keys {sorted(unknown)}.")
     make = data.get("loader")
     stream = None
 
@@ -55,7 +60,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
             stream = streaming.Stream(batches, accelerator.process_index, group, accelerator.device)
             return batches
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise TypeError(
+            raise RecipeError(
                 f"Recipe {recipe_name}: build_data's {'train' if train else 'eval'} entry is a "
                 f"{type(dataset).__name__}, not a map-style dataset (__getitem__, __len__). Return the dataset, "
                 "and a 'loader' factory if the recipe batches it itself (docs/architecture.md)."
@@ -67,7 +72,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
         if batches is not None:
             for attr in ("__iter__", "__len__", "set_epoch"):
                 if not hasattr(batches, attr):
-                    raise TypeError(f"Recipe {recipe_name}: its loader lacks {attr} (docs/architecture.md).")
+                    raise RecipeError(f"Recipe {recipe_name}: its loader lacks {attr} (docs/architecture.md).")
             return batches
         return accelerator.prepare_data_loader(
             DataLoader(

@@ -100,7 +100,11 @@ def check(trainer, batch) -> None:
 
 def _check_hooks(trainer, batch) -> str | None:
     """Raise RecipeError for the first hook that breaks the contract; return the bare-loss note, if any."""
-    recipe, model = trainer.recipe, trainer.model
+    # The eager module, not the compiled one: under --torch_compile a train-mode forward under no_grad and an eval
+    # forward at the train batch size are graphs the run never uses, each compiled for the check alone (seen on an
+    # H100: 2 of the CIFAR run's recompiles, ~10 s each). The outputs' types and shapes are the same.
+    recipe = trainer.recipe
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     user_loss = getattr(recipe.loss, "__wrapped__", recipe.loss)
     was_training = model.training
     with _unchanged(model, trainer.accelerator.device), torch.no_grad():

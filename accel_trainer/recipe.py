@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -46,6 +47,44 @@ class RecipeContext:
     accelerator: Any = None
     num_training_steps: int | None = None
     given: frozenset = frozenset()  # the fields the user set (flags, arguments file, keyword arguments)
+    resume_from: str | None = None  # the checkpoint this run resumes from (None: a new run)
+
+    @property
+    def resuming(self) -> bool:
+        """Whether this run continues from a checkpoint (ctx.resume_from): build what the checkpoint was trained
+        with, not something new (build_once keeps the artifacts of the run it resumes)."""
+        return self.resume_from is not None
+
+    def build_once(self, name: str, build: Callable[[str], Any], load: Callable[[str], Any]):
+        """An artifact every rank must share (a tokenizer trained on the data, a vocabulary, label ids), built
+        once: the main process runs `build(path)` to write it, then every rank returns `load(path)`, the same
+        object on every rank. `path` is output_dir/name; a resumed run (ctx.resuming) loads the one its run built
+        instead of building it again, a new run builds it anew.
+
+        Why: built on each rank, it sees that rank's data order or randomness and comes out different (a tokenizer
+        with other ids per rank: silently different models), and rebuilt on a resume it can differ from the one
+        the checkpoint was trained with. For build_data and build_model (the accelerator exists); output_dir must
+        be one folder for every machine, as checkpoints need. The wait for the main process is bounded by
+        --ddp_timeout."""
+        if self.accelerator is None:
+            raise RecipeError("ctx.build_once needs the accelerator: call it in build_data or build_model.")
+        path = os.path.join(self.targs.output_dir, name)
+        if self.accelerator.is_main_process and not (self.resuming and os.path.exists(path)):
+            # Built aside, then renamed: a run killed while building leaves no half artifact for its resume.
+            aside = os.path.join(self.targs.output_dir, ".building", name)
+            for stale in (aside, path):
+                if os.path.isdir(stale):
+                    shutil.rmtree(stale)
+                elif os.path.exists(stale):
+                    os.remove(stale)
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            build(aside)
+            if not os.path.exists(aside):
+                raise RecipeError(f"ctx.build_once({name!r}): build(path) wrote nothing at the path it was given.")
+            os.replace(aside, path)
+        self.accelerator.wait_for_everyone()
+        return load(path)
 
     @property
     def device(self):
@@ -70,15 +109,19 @@ class RecipeContext:
     def replace(self, **changes) -> RecipeContext:
         return dataclasses.replace(self, **changes)
 
-    def complete(self, accelerator=None, targs=None, num_training_steps: int | None = None) -> RecipeContext:
+    def complete(
+        self, accelerator=None, targs=None, resume_from: str | None = None, num_training_steps: int | None = None
+    ) -> RecipeContext:
         """The Trainer's, not a builder's: fill in what set-up has learnt (the Accelerator and this process's place
-        in its world, the Trainer's copy of the training arguments; then the run length) in this object, and return
-        it. In place (frozen to recipes, hence object.__setattr__, which dataclasses document for this): a second
-        Trainer from the same resolved arguments completes it again for its own Accelerator."""
+        in its world, with the checkpoint the run resumes from (None: a new run) and the Trainer's copy of the
+        training arguments; then the run length) in this object, and return it. In place (frozen to recipes, hence
+        object.__setattr__, which dataclasses document for this): a second Trainer from the same resolved arguments
+        completes it again for its own Accelerator."""
         if targs is not None:
             object.__setattr__(self, "targs", targs)
         if accelerator is not None:
             object.__setattr__(self, "accelerator", accelerator)
+            object.__setattr__(self, "resume_from", resume_from)
             object.__setattr__(self, "world_size", accelerator.num_processes)
             object.__setattr__(self, "process_index", accelerator.process_index)
         if num_training_steps is not None:

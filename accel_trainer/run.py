@@ -12,15 +12,16 @@ from __future__ import annotations
 import errno
 import sys
 
-from .args import ArgumentError
-from .errors import UserError
+from .entry import USER_ERRORS, command_line
 from .resolve import resolve_args
-
-# Errors whose message already says what is wrong and what to do: no traceback needed.
-USER_ERRORS = (UserError, ArgumentError, FileNotFoundError, FileExistsError, NotADirectoryError)
 
 
 def run(recipe, argv: list[str] | None = None) -> dict:
+    with command_line():  # messages keep their flags (entry.py)
+        return _run(recipe, argv)
+
+
+def _run(recipe, argv):
     from .trainer import Trainer
 
     output_dir = None  # known once the arguments are: a full disk from then on is one line

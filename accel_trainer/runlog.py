@@ -61,6 +61,7 @@ class Reporter:
             print(*msg, flush=True)
 
     def write_run_config(self, path: str, config: dict):
+        self.run_config = config  # the start line's facts (start_line)
         if self.is_main:
             with open(path, "w") as f:
                 json.dump(config, f, indent=2, default=str)
@@ -88,6 +89,44 @@ class Reporter:
         if self.accelerator.trackers:
             self.accelerator.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=step)
         return event
+
+
+def start_line(config: dict, output_dir: str, resumed_from: str | None) -> str:
+    """The run in one line, printed before the first update: the world, the global batch, the updates, the
+    precision, the sharding, where it writes and where it resumes from (run_config.json has the rest)."""
+    topo, args = config["topology"], config["args"]
+    world = config["num_processes"]
+    machines, per_machine = topo["num_machines"], topo["local_world_size"]
+    batch = f"{args['per_device_train_batch_size']} x {args['gradient_accumulation_steps']} accumulation x {world}"
+    kind = topo["distributed_type"]
+    sharding = "FSDP" if kind == "FSDP" else ("none (DDP replicas)" if world > 1 else "none")
+    return (
+        f"accel-trainer: {config['recipe']}; world {world} = {machines} machine(s) x {per_machine} process(es) "
+        f"({topo['device'].split(':')[0]}, {kind}); global batch {config['global_train_batch_size']} = {batch}; "
+        f"{config['total_steps']} updates; precision {topo['mixed_precision']}; sharding {sharding}; output "
+        f"{output_dir}; " + (f"resumed from {resumed_from}" if resumed_from else "a new run")
+    )
+
+
+def how_to_load(path: str) -> str:
+    """How to load what the run saved at `path`, phrased from what is there: a save_pretrained folder (its
+    config.json names the class) or a safetensors file of a plain module. Reads JSON only (no code runs)."""
+    config = os.path.join(path, "config.json")
+    if os.path.isdir(path) and os.path.isfile(config):
+        with open(config) as f:
+            architectures = json.load(f).get("architectures") or []
+        cls = f"transformers.{architectures[0]}" if architectures else "transformers.AutoModel"
+        return f"{cls}.from_pretrained({path!r})"
+    return (
+        f"safetensors.torch.load_model(model, {path!r}) into the model the recipe's build_model builds "
+        "(docs/architecture.md)"
+    )
+
+
+def end_line(steps: int, seconds: float, model_path: str) -> str:
+    return f"accel-trainer: done at step {steps} ({seconds:.1f} s); the model is {model_path}; load it with " + (
+        how_to_load(model_path)
+    )
 
 
 def topology(accelerator) -> dict:

@@ -32,10 +32,12 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import build, evaluation, faults, loaders, preflight, sharding
+from . import build, debugging, evaluation, faults, loaders, preflight, sharding
 from .accel import configure_process
 from .args import TrainingArguments
 from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
+from .checkpointing.pretrained import push_to_hub
+from .entry import python_api
 from .errors import UserError
 from .events import Events
 from .logwindow import LogWindow, NonFiniteLossError  # noqa: F401 - NonFiniteLossError: its old home, for callers
@@ -45,7 +47,7 @@ from .resolve import (
     resolve_args,
     user_values,
 )
-from .runlog import Reporter, flat_config
+from .runlog import Reporter, end_line, flat_config, start_line
 from .throughput import Meter, detected_peak_tflops
 from .update import Updater
 
@@ -82,6 +84,7 @@ class Progress:
 
 
 class Trainer:
+    @python_api  # bad input from the Python API: one UserError naming keywords, not flags (entry.py)
     def __init__(
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
@@ -102,7 +105,7 @@ class Trainer:
         acc = self.accelerator
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         resume_path, kept_best = prepare_output_dir(acc, args)  # checked on every rank before any rank writes
-        self.ctx = resolved.ctx.complete(acc, targs=args)
+        self.ctx = resolved.ctx.complete(acc, targs=args, resume_from=resume_path)
         # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
         # arguments keep the user's --learning_rate.
         self.learning_rate = self.ctx.learning_rate
@@ -115,9 +118,9 @@ class Trainer:
         set_seed(args.seed)
         model = build.build_model(self.recipe, self.ctx)
         # self.data: where the run is in its data (loaders.MapPosition, or streaming.Stream for a stream)
-        self.train_loader, self.eval_loader, self.data = loaders.build_loaders(
-            self.recipe.build_data(self.ctx), args, acc, self.recipe.name
-        )
+        built = self.recipe.build_data(self.ctx)
+        self.train_loader, self.eval_loader, self.data = loaders.build_loaders(built, args, acc, self.recipe.name)
+        self.tokenizer = built.get("tokenizer")  # saved beside a transformers model (checkpointing/pretrained.py)
         if args.dataloader_num_workers and not isinstance(self.train_loader, DataLoader):  # a stream's is one
             self.reporter.print(
                 f"note: --dataloader_num_workers {args.dataloader_num_workers} does nothing here: recipe "
@@ -143,20 +146,21 @@ class Trainer:
         self.progress = Progress(**kept_best)
         self.log_window = LogWindow(args, acc, self.data, self.train_loader, self.scheduler, self.progress)
         self._train_iter = None  # fetch_batch()'s position
+        self._debug = debugging.DebugStart()  # undone by fit(): train_step/overfit_batch (debugging.py)
         # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
         self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
-            preemption=self.preemption,
+            preemption=self.preemption, say=self.reporter.print,
         )  # fmt: skip
         self.checkpoints = CheckpointManager(
             acc, args, state=[self.progress, self.data, self.updater], data=self.data, model=self.model,
             optimizer=self.optimizer, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
             fire=lambda event, *a: self.events.fire(event, self, *a), before_save=self.log,
             save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
-            if self.sharded else None,
+            if self.sharded else None, tokenizer=self.tokenizer,
         )  # fmt: skip
         if args.profile_steps:
             self._attach_profiler()
@@ -166,8 +170,10 @@ class Trainer:
             acc.init_trackers(args.run_name or self.recipe.name, config=flat_config(args, self.recipe_args))
         if resume_path:
             self.checkpoints.resume(resume_path)
+        self.reporter.print(start_line(self.reporter.run_config, args.output_dir, resume_path))
 
     @classmethod
+    @python_api
     def from_recipe(cls, recipe, quiet: bool = False, **values) -> Trainer:
         """A Trainer from a recipe and the values you would give as flags: `Trainer.from_recipe(regression,
         output_dir="out", max_steps=200, hidden_size=64)` is `python recipes/regression.py --output_dir out
@@ -196,8 +202,11 @@ class Trainer:
         self.profiler.attach(self.events)
 
     # ------------------------------------------------------------------------------------------------- training
+    @python_api
     def fit(self) -> dict:
-        """Train to `total_steps` optimizer updates, evaluating, logging and checkpointing on the way."""
+        """Train to `total_steps` optimizer updates, evaluating, logging and checkpointing on the way; after
+        train_step/overfit_batch, from the state the Trainer was built with (debugging.py)."""
+        self._debug.rewind(self)
         args, p = self.args, self.progress
         bar = self._progress_bar()
         metrics: dict = {}
@@ -261,6 +270,10 @@ class Trainer:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.args.output_dir, AFTER_TRAINING_TRACEBACK))
         self.accelerator.end_training()
+        self.reporter.print(end_line(self.global_step, time.perf_counter() - self.reporter.start, saved[0]))
+        if self.args.push_to_hub and self.accelerator.is_main_process:  # a failure: one line, the model stays saved
+            url = push_to_hub(self.args.output_dir, self.args.hub_model_id, self.global_step)
+            self.reporter.print(f"Pushed {self.args.output_dir} to the Hub: {url}")
         return metrics
 
     def _after_training_error(self, saved: list[str], what: str, error: Exception) -> AfterTrainingError:
@@ -383,6 +396,7 @@ class Trainer:
 
     def train_step(self, batch=None, schedule: bool = True) -> float:
         """One optimizer update on one batch (fetched if not given). Returns its loss (NaN for a skipped one)."""
+        self._debug.before_update(self)
         self.model.train()
         return float(self.update([batch if batch is not None else self.fetch_batch()], schedule=schedule))
 

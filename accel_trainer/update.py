@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import DistributedType, find_batch_size
 
+from .micro_batch import Agreed, MicroBatches
+
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
 # Accelerate's per-step wrappers (which cost ~0.6 ms/step on a small model, mostly a package lookup).
 _PLAIN_TORCH_TYPES = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
@@ -60,7 +62,7 @@ class Updater:
     a GradScaler, for --nan_policy's check; None when not measured, or when the update was skipped for a non-finite
     loss or norm."""
 
-    def __init__(self, accelerator, model, optimizer, scheduler, loss, args, *, ema=None, meter, preemption):
+    def __init__(self, accelerator, model, optimizer, scheduler, loss, args, *, ema=None, meter, preemption, say=print):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.loss, self.ema, self.meter, self.preemption = loss, ema, meter, preemption
         self.max_grad_norm, self.nan_policy = args.max_grad_norm, args.nan_policy
@@ -69,6 +71,7 @@ class Updater:
         self.inner_opt = optimizer.optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.weighted = accelerator.num_processes > 1 or args.gradient_accumulation_steps > 1
+        self.micro = MicroBatches(args, accelerator, say)  # --auto_micro_batch (micro_batch.py)
         # The DDP wrapper, if any (--torch_compile: Accelerate compiles the DDP-wrapped model); None without one
         # (FSDP, one process, or no trainable parameters: nothing is communicated).
         ddp = getattr(model, "_orig_mod", model)
@@ -79,16 +82,17 @@ class Updater:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the Updater: K (update.py's docstring), None before the first DDP update."""
-        return {"items_per_rank": None if self.reference is None else float(self.reference)}
+        return {"items_per_rank": None if self.reference is None else float(self.reference), **self.micro.state_dict()}
 
     def load_state_dict(self, state: dict):
         """Resume with a checkpoint's K (none in a checkpoint from a run without DDP, or from before K was saved:
-        the first update then waits for its own count)."""
+        the first update then waits for its own count); and the micro-batch size --auto_micro_batch chose."""
+        self.micro.load_state_dict(state)
         if state.get("items_per_rank") is not None and self.ddp is not None:
             self.reference = torch.tensor(state["items_per_rank"], device=self.accelerator.device)
 
     def __call__(self, window: list, schedule: bool = True) -> Result:
-        loss_mean, n_sum = self._forward_backward(window)
+        loss_mean, n_sum = self.micro.run(self, window)  # _forward_backward, redone smaller on out of memory
         self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
         clipped = self._clip() if self.max_grad_norm > 0 else None
         checked = self._checked_norm(clipped)
@@ -109,12 +113,14 @@ class Updater:
         self.grad_norm = grad_norm
         return Result(loss_mean, grad_norm, stepped)
 
-    def _forward_backward(self, window: list):
+    def _forward_backward(self, window: list, origin: list[int]):
         """Every micro-batch's forward and backward; returns the window's mean loss (detached) and item count over
-        every rank (this rank's alone when nothing is weighted)."""
+        every rank (this rank's alone when nothing is weighted). origin[i]: the loader batch micro-batch i is cut
+        from (--auto_micro_batch; micro_losses has one loss per loader batch, for nan_batch.py)."""
         acc = self.accelerator
         loss_sum, n_sum = None, 0
         self.micro_losses = []
+        by_items = self.weighted or self.micro.splits  # a cut loader batch is several micro-batches
         flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
         with flops or nullcontext():
             for i, batch in enumerate(window):
@@ -122,8 +128,11 @@ class Updater:
                 with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
                     loss, n = self.loss(self.model, batch)
                     detached = loss.detach()
-                    self.micro_losses.append(detached)  # which micro-batch was not finite, read only if one was
-                    if not self.weighted:  # one micro-batch on one process: its mean is the update's, as it is
+                    if i and origin[i] == origin[i - 1]:  # a cut of the same loader batch: non-finite if one is
+                        self.micro_losses[-1] = self.micro_losses[-1] + detached
+                    else:
+                        self.micro_losses.append(detached)  # which micro-batch was not finite, read only if one was
+                    if not by_items:  # one micro-batch on one process: its mean is the update's, as it is
                         self._backward(loss)
                         loss_sum, n_sum = detached, n  # no kernels to weigh it (~10 us per update)
                         continue
@@ -132,9 +141,11 @@ class Updater:
                     n_sum = n_sum + n
                     if last and self.ddp is not None:  # sum / K, K the same on every rank; corrected after
                         pending = self._start_totals(loss_sum, n_sum)
-                        if self.reference is None:  # the run's first update: K from its own N (one wait)
-                            loss_sum, n_sum = self._finish_totals(pending)
-                            pending, self.reference = None, self._items_per_rank(n_sum)
+                        if self.reference is None or self.micro.waits:  # the first update: K from its own N
+                            loss_sum, n_sum = self._finish_totals(pending)  # (one wait); the vote: micro_batch.py
+                            pending = None
+                            if self.reference is None:
+                                self.reference = self._items_per_rank(n_sum)
                         self._backward(loss * n * self._to_mean(self.reference, 1))
                         if pending is not None:
                             loss_sum, n_sum = self._finish_totals(pending)
@@ -144,14 +155,14 @@ class Updater:
                         self._backward(loss * n * self._to_mean(n_sum, self.accelerator.num_processes))
                     else:
                         self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
-        if self.weighted and self.sharded:
+        if by_items and self.sharded:
             # FSDP2 accumulates a window's gradients inside its unsharded parameters, out of our reach until the
             # last backward's reduce-scatter writes the sharded .grad: scaled after it (see _to_mean).
             loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
             self._to_mean(n_sum, self.accelerator.num_processes)
         if flops is not None:
             self.meter.counted(flops)
-        return (loss_sum / n_sum).detach() if self.weighted else loss_sum, n_sum
+        return (loss_sum / n_sum).detach() if by_items else loss_sum, n_sum
 
     def _clip(self):
         """Clip the gradients to --max_grad_norm; returns the norm before clipping (a tensor, no host sync)."""
@@ -203,10 +214,12 @@ class Updater:
                 _device_scalar(loss_sum, acc.device),
                 _device_scalar(n_sum, acc.device),
                 self.preemption.vote(),
+                *self._out_of_memory(0.0),
             ]
         )
         if acc.num_processes == 1:
             return totals, None
+        self.micro.voted = True
         return totals, torch.distributed.all_reduce(totals, async_op=True)
 
     def _finish_totals(self, pending):
@@ -214,7 +227,23 @@ class Updater:
         if work is not None:
             work.wait()
             self.preemption.record(totals[2])
+            if self.micro.enabled and (ranks := int(totals[3])):  # another rank ran out of memory (micro_batch.py)
+                raise Agreed(ranks)
         return totals[0], totals[1]
+
+    def _out_of_memory(self, value: float) -> list:
+        """The out-of-memory count's slot of the update's all-reduce: only with --auto_micro_batch."""
+        return [torch.full((), value, device=self.accelerator.device)] if self.micro.enabled else []
+
+    def vote_out_of_memory(self) -> int:
+        """This rank ran out of memory before the update's all-reduce: join it (the other ranks' is the same
+        shape) with a count of 1; returns how many ranks ran out."""
+        device = self.accelerator.device
+        zero = torch.zeros((), device=device)
+        totals = torch.stack([zero, zero, self.preemption.vote(), *self._out_of_memory(1.0)])
+        torch.distributed.all_reduce(totals)
+        self.preemption.record(totals[2])
+        return int(totals[3])
 
     def _reduce_totals(self, loss_sum, n_sum):
         return self._finish_totals(self._start_totals(loss_sum, n_sum))

@@ -209,10 +209,12 @@ def build_data(ctx):
     collate = functools.partial(pad_collate, pad_id=tokenizer.pad_token_id)
     # group_by_length: our own batch loader of similar-length batches instead of the Trainer's shuffled DataLoader
     loader = length_grouped_loader(ctx, collate) if args.group_by_length else None
+    # "tokenizer": saved with the model, so that from_pretrained(output_dir) and pipeline() load both
     if args.streaming:
-        return {"train": _stream(ctx, tokenize, pack, tokenize_lines), "eval": out.get("eval"), "collate": collate}
+        return {"train": _stream(ctx, tokenize, pack, tokenize_lines), "eval": out.get("eval"), "collate": collate,
+                "tokenizer": tokenizer}  # fmt: skip
     return {"train": out["train"], "eval": out["eval"], "collate": collate,
-            "loader": loader}  # fmt: skip
+            "loader": loader, "tokenizer": tokenizer}  # fmt: skip
 
 
 def _data_files(pattern: str) -> list[str]:

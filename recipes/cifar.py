@@ -325,8 +325,13 @@ def tta_logits(model, images, level=2):
     """Test-time augmentation: level 1 averages the image and its mirror; level 2 also averages (with weight 1/2)
     two 1-pixel diagonal shifts of both, i.e. 6 views (airbench94)."""
 
+    # Every view in the layout of the batches (channels_last, cifar_data.normalize): under --torch_compile an input
+    # of another layout is another graph, compiled during the final eval (seen on an H100: a flip and two shifted
+    # views gave 3 of its 8 recompiles).
+    layout = torch.channels_last if images.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+
     def mirror(x):
-        return 0.5 * model(x).float() + 0.5 * model(x.flip(-1)).float()
+        return 0.5 * model(x).float() + 0.5 * model(x.flip(-1).contiguous(memory_format=layout)).float()
 
     if level == 0:
         return model(images).float()
@@ -334,7 +339,11 @@ def tta_logits(model, images, level=2):
     if level == 1:
         return logits
     padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
-    shifted = [padded[:, :, 0:-2, 0:-2], padded[:, :, 2:, 2:]]  # up-left and down-right by one pixel
+    # up-left and down-right by one pixel
+    shifted = [
+        padded[:, :, 0:-2, 0:-2].contiguous(memory_format=layout),
+        padded[:, :, 2:, 2:].contiguous(memory_format=layout),
+    ]
     return 0.5 * logits + 0.25 * (mirror(shifted[0]) + mirror(shifted[1]))
 
 

@@ -161,7 +161,9 @@ def build_data(ctx):
 
     # group_by_length: our own batch loader of similar-length batches instead of the Trainer's shuffled DataLoader
     loader = length_grouped_loader(ctx, collate) if args.group_by_length else None
-    return {"train": splits["train"], "eval": splits["eval"], "collate": collate, "loader": loader}
+    # "tokenizer": saved with the model, so that from_pretrained(output_dir) and pipeline() load both
+    return {"train": splits["train"], "eval": splits["eval"], "collate": collate, "loader": loader,
+            "tokenizer": tokenizer}  # fmt: skip
 
 
 def pad_collate(examples, collator):

@@ -217,7 +217,8 @@ def build_data(ctx):
     # Pads input_ids/attention_mask with the tokenizer's pad id and labels with -100, per batch.
     collator = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=args.pad_to_multiple_of)
     # A partial of a module-level function, not a closure: DataLoader workers started by spawn can pickle it.
-    return {**splits, "collate": functools.partial(pad_collate, collator=collator)}
+    # "tokenizer": saved with the model, so that from_pretrained(output_dir) and pipeline() load both
+    return {**splits, "collate": functools.partial(pad_collate, collator=collator), "tokenizer": tokenizer}
 
 
 def pad_collate(examples, collator):

@@ -15,6 +15,14 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                nan_sample=I   training sample I's features are NaN (a bad row in the data: its
                                               batch's loss is NaN; --nan_policy stop names and saves it)
                                sigint_at=N    every rank gets SIGINT (Ctrl-C) after update N
+                               store_delay=S  from the last update on, the stack-dump watcher's store answers
+                                              its poll S s late (a loaded machine): the watcher is inside that
+                                              call (torch's, the GIL let go) when training ends; fit_end fails if
+                                              the watcher outlived the training loop
+                               oom_above=B[:R]  `loss` raises torch.OutOfMemoryError on a training batch of more
+                                              than B samples (on rank R only, if given), as a forward would
+                               oom_once=R:K   rank R's K-th `loss` call with gradients raises it, once
+                               buffer=1       the model has a buffer (DDP broadcasts it in a window's first forward)
                                hold_save=N    the background write (--save_async) of step N holds before its
                                               commit until one of the three faults above has fired, then until
                                               the process is exiting or 3 s have passed: a run that leaves fit()
@@ -30,11 +38,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
 import regression  # noqa: E402
 from regression import (  # noqa: E402,F401
     build_metrics,
-    build_model,
     build_optimizer,
     build_scheduler,
     configure,
@@ -66,6 +75,16 @@ def loss(model, batch):
     if _sleep_now:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a process stuck in C code: torchrun's SIGTERM ends it
         time.sleep(600)  # sleep_in_loss: the line a hang report must name
+    spec = _parse(_args.faults) if _args is not None else {}
+    oom = spec.get("oom_above")
+    if "oom_once" in spec and torch.is_grad_enabled() and spec["oom_once"][0] == _rank():
+        global _calls
+        _calls += 1
+        if _calls == spec["oom_once"][1]:
+            raise torch.OutOfMemoryError(f"test fault: loss call {_calls} does not fit (oom_once)")
+    if oom and torch.is_grad_enabled() and len(batch["x"]) > oom[0] and oom[1:] in ((), (_rank(),)):
+        # Only with gradients on, as activations kept for the backward would: the first-batch check (no_grad) fits.
+        raise torch.OutOfMemoryError(f"test fault: {len(batch['x'])} samples do not fit (oom_above={oom[0]})")
     loss, n = regression.loss(model, batch)
     if _nan_now:
         _faulted.set()
@@ -77,12 +96,31 @@ _nan_now = False  # set by nan_at, from the update_end before that update
 _sleep_now = False  # set by sleep_in_loss, likewise
 
 
+_args = None  # the recipe's Args, from build_data
+_calls = 0  # loss calls with gradients on this rank (oom_once)
+
+
+def build_model(ctx):
+    model = regression.build_model(ctx)
+    if "buffer" in _parse(ctx.args.faults):
+        model.register_buffer("seen", torch.zeros(1))
+    return model
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def build_data(ctx):
+    global _args
+    _args = ctx.args
     delay = _parse(ctx.args.faults).get("build_delay", 0)
     if delay:
         rank = os.environ.get("RANK", "0")
         print(f"[test fault] rank {rank} builds its data for {delay:g} s", file=sys.stderr, flush=True)
         time.sleep(delay)
+    if "store_delay" in _parse(ctx.args.faults):
+        _slow_watcher_store(_parse(ctx.args.faults)["store_delay"])
     data = regression.build_data(ctx)
     bad = _parse(ctx.args.faults).get("nan_sample")
     if bad is not None:
@@ -91,7 +129,7 @@ def build_data(ctx):
 
 
 KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
-        "hold_save", "sleep_in_loss", "nan_sample")  # fmt: skip
+        "hold_save", "sleep_in_loss", "nan_sample", "store_delay", "oom_above", "oom_once", "buffer")  # fmt: skip
 
 
 def _faults(trainer) -> dict:
@@ -108,9 +146,50 @@ def _parse(faults: str) -> dict:
     return spec
 
 
+_last_update = threading.Event()  # store_delay: training's last update is done
+_watcher_waits = threading.Event()  # store_delay: the watcher is inside its slow store call
+
+
+def _slow_watcher_store(delay: float):
+    """store_delay: the stack-dump watcher (faults.StackDumps) gets a store whose poll, from the last update on,
+    first waits `delay` s inside the store's own C++ wait (on a key nobody sets), as a slow answer would."""
+    from datetime import timedelta
+
+    from accel_trainer import faults
+
+    class SlowStore:
+        def __init__(self, store):
+            self.store = store
+
+        def check(self, keys):
+            if _last_update.is_set():
+                _watcher_waits.set()
+                try:
+                    self.store.wait(["test_fault/never_set"], timedelta(seconds=delay))
+                except Exception:  # noqa: BLE001 - the wait's timeout: the slow answer is over
+                    pass
+            return self.store.check(keys)
+
+        def get(self, key):
+            return self.store.get(key)
+
+    real = faults.StackDumps._store
+    faults.StackDumps._store = lambda self: (lambda s: SlowStore(s) if s is not None else None)(real(self))
+
+
+def on_fit_end(trainer, metrics):
+    if "store_delay" in _faults(trainer):
+        left = [t.name for t in threading.enumerate() if t.name == "accel_trainer-stack-dumps" and t.is_alive()]
+        assert not left, f"test fault: the stack-dump watcher outlived the training loop ({left})"
+
+
 def on_update_end(trainer):
     f, rank, step = _faults(trainer), trainer.accelerator.process_index, trainer.global_step
     time.sleep(f.get("step_delay", 0))
+    if "store_delay" in f and step >= trainer.total_steps:  # the loop ends while the watcher's call is slow
+        _last_update.set()
+        _watcher_waits.wait(timeout=5)
+        time.sleep(0.1)  # inside the store's wait by now (it lets the GIL go)
     if f.get("exit_at") == (rank, step) and restart_count() == 0:
         print(f"[test fault] rank {rank} exits with status 3 after step {step}", file=sys.stderr, flush=True)
         os._exit(3)

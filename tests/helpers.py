@@ -20,11 +20,21 @@ from harness import child_env as env  # noqa: E402, F401
 from harness import read_metrics as metrics  # noqa: E402, F401
 from harness import read_run_config as run_config  # noqa: E402, F401
 
+# The environment an elastic launch on this one machine needs beside launcher()'s command: its own c10d rendezvous.
+# With one machine, accelerate hands --main_process_port to torchrun as master_port, which only the static rendezvous
+# reads: c10d listens on torchrun's default endpoint, localhost:29400, with the run id "none". Two elastic launches
+# at once (test_matrix's rows run in parallel; CI's two lanes too) then share one store: the second agent cannot bind
+# it, joins the first one's rendezvous as a client and fails with "RendezvousConnectionError: The connection to the
+# C10d store has failed" once the first launch ends. Port 0: the agent's store takes a free port itself, atomically
+# (torchrun's advice for one node). accelerate has no --rdzv_endpoint flag; torchrun reads PET_RDZV_ENDPOINT for it.
+ELASTIC_ENV = {"PET_RDZV_ENDPOINT": "127.0.0.1:0"}
+
 
 def launcher(world: str, max_restarts: int = 0) -> list[str]:
     """The command that starts a recipe on `world`: "1" (python), "ddp" (2 CPU processes, one world) or "fsdp"
     (2 CPU processes, FSDP2 from `accelerate launch --use_fsdp` flags, as tests/test_sharding.py launches it);
-    with `max_restarts`, elastic (c10d rendezvous, torchrun restarts the group after a worker dies)."""
+    with `max_restarts`, elastic (c10d rendezvous, torchrun restarts the group after a worker dies), to be started
+    with ELASTIC_ENV in its environment."""
     if world == "1":
         return launch_cmd(1)
     cmd = launch_cmd(2, mode=FSDP2) if world == "fsdp" else launch_cmd(2)

@@ -154,7 +154,10 @@ def test_another_global_batch_is_refused(trained, tmp_path):
     json.dump(state, open(folder / "trainer_state.json", "w"))
     write_manifest(str(folder), state)
     # 2 processes x 16 then, 1 x 16 now: another world size is fine, another global batch is not
-    with pytest.raises(CheckpointError, match=r"global batch of 32 .* this run's is 16.*--allow_global_batch_change"):
+    # the Python API names the keyword (the command line: --allow_global_batch_change)
+    with pytest.raises(
+        CheckpointError, match=r"global batch of 32 .* this run's is 16.*allow_global_batch_change=True"
+    ):
         make(out, max_steps=16, resume_from_checkpoint=str(folder))
 
 

@@ -20,7 +20,7 @@ import time
 
 import psutil
 import pytest
-from helpers import env, flags, last_step, launch_cmd, small_tmpfs
+from helpers import ELASTIC_ENV, env, flags, last_step, launch_cmd, small_tmpfs
 from procs import Launch
 
 from accel_trainer.cluster.cluster_config import RESTART_SAFE_ENV
@@ -157,6 +157,19 @@ def test_save_async_sigkill_during_a_background_write_then_resume_is_bit_identic
     assert final_bytes(out) == references[nproc]
 
 
+def test_a_finished_run_waits_for_its_stack_dump_watcher_and_exits_0(tmp_path, runs):
+    # Every rank's stack-dump watcher (faults.StackDumps) polls the launcher's store from a daemon thread. Left inside
+    # a store call when the interpreter exits, it aborted a finished run: "terminate called without an active
+    # exception", SIGABRT, exit 1 (seen in CI on a loaded machine, after the final evaluation). store_delay holds
+    # the watcher in a 1 s store call while training ends; the run must wait for it and exit 0.
+    out = tmp_path / "run"
+    r = start(runs, tmp_path, out, 2, ["--save_async"], faults="store_delay=1")
+    rc = r.wait()
+    log = r.output()
+    assert rc == 0 and "terminate called" not in log, log
+    r.no_process_left()
+
+
 def test_save_async_sigterm_waits_for_the_pending_write_then_exits_75(tmp_path, runs, references):
     # SIGTERM while a background write is pending: the preemption finishes and commits it, writes its own
     # checkpoint (waited for too), exits 75; nothing half-written is left and the resumed run is the uninterrupted one.
@@ -291,7 +304,7 @@ def test_elastic_restart_after_a_worker_dies_resumes_and_matches(tmp_path, runs,
         out,
         2,
         faults="exit_at=1:10",
-        extra_env={RESTART_SAFE_ENV: "1"},
+        extra_env={RESTART_SAFE_ENV: "1", **ELASTIC_ENV},
         launcher_args=["--max_restarts", "1", "--rdzv_backend", "c10d"],
     )
     rc = r.wait()

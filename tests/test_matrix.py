@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import RECIPES, ROOT, env, launcher, run_config
+from helpers import ELASTIC_ENV, RECIPES, ROOT, env, launcher, run_config
 from pairwise import pairwise
 from procs import Launch
 from safetensors.torch import load_file, load_model
@@ -220,27 +220,16 @@ def launch(row, world, f, out, *extra, fault_env=None, max_restarts=0) -> dict:
     """One launch of the row's recipe through tests/matrix_recipe.py: {"rc", "log", "out", "world", "seconds"}."""
     script, args = recipe_args(row, world, f, out)
     fault_env = dict(fault_env or {}, MATRIX_RECIPE=script, HF_DATASETS_CACHE=out + ".cache")
+    if max_restarts:  # rows run in parallel: each elastic launch its own rendezvous (helpers.ELASTIC_ENV)
+        fault_env.update(ELASTIC_ENV)
     t0 = time.monotonic()
-    for attempt in (1, 2):  # each attempt on a new free port
-        cmd = launcher(world, max_restarts) + [os.path.join(ROOT, "tests", "matrix_recipe.py")] + args + list(extra)
-        run = Launch(cmd, out + ".log", env=env(**fault_env), cwd=ROOT, deadline=DEADLINE)
-        try:
-            rc = run.wait()  # the whole process tree is killed afterwards
-        except subprocess.TimeoutExpired:
-            rc = 124
-        log = run.output(None)
-        # One retry for a launch whose torchrun agent lost its c10d store in the FIRST rendezvous, before any worker
-        # started (seen twice in CI-like runs with other launches starting beside it: "RendezvousConnectionError ...
-        # Failed to recv" from _initialize_workers). That is the test machine's, not the feature under test: nothing
-        # of the run exists yet, and a failure once training began is never retried.
-        if attempt == 2 or rc == 0 or not _store_lost_before_start(log, out):
-            break
-        shutil.rmtree(out, ignore_errors=True)
-    return {"rc": rc, "log": log, "out": out, "world": world, "seconds": time.monotonic() - t0}
-
-
-def _store_lost_before_start(log: str, out: str) -> bool:
-    return "RendezvousConnectionError" in log and "_initialize_workers" in log and not os.path.exists(out)
+    cmd = launcher(world, max_restarts) + [os.path.join(ROOT, "tests", "matrix_recipe.py")] + args + list(extra)
+    run = Launch(cmd, out + ".log", env=env(**fault_env), cwd=ROOT, deadline=DEADLINE)
+    try:
+        rc = run.wait()  # the whole process tree is killed afterwards
+    except subprocess.TimeoutExpired:
+        rc = 124
+    return {"rc": rc, "log": run.output(None), "out": out, "world": world, "seconds": time.monotonic() - t0}
 
 
 def interrupted(row, f, d) -> list[dict]:

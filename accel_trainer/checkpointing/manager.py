@@ -6,7 +6,7 @@
     manager.save() / manager.wait() / manager.announce_written()      # in fit(); --save_async writes in background
     with manager.guard(): ...                                          # no background write left behind on the way out
     manager.preempt(progress_bar)                                      # checkpoint at this update, then exit
-    manager.save_model(path)                                           # the evaluated weights as safetensors
+    manager.save_model(path)                     # the evaluated weights: a save_pretrained folder, or safetensors
 
 The run state is the components' `state_dict()`s (the Trainer's Progress, the data position -- loaders.MapPosition
 or streaming.Stream --, the Updater's K), merged into trainer_state.json, one key per value (the format is that of
@@ -29,13 +29,16 @@ from safetensors.torch import save_model
 
 from .. import evaluation, faults
 from ..errors import UserError
+from ..shards import full_state_dict
 from ..update import is_plain_torch
 from . import folder as ckpt_folder
+from . import pretrained
 from . import resume as ckpt_resume
 
 AFTER_TRAINING_TRACEBACK = "error_after_training.txt"  # a bug's traceback, named by AfterTrainingError's line
 PREVIOUS_RUN_FILES = (
-    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK
+    "metrics.jsonl", "run_config.json", "checkpoints", "model.safetensors", "best", AFTER_TRAINING_TRACEBACK,
+    "config.json", "generation_config.json",  # a transformers model's (pretrained.py): never beside other weights
 )  # fmt: skip
 
 
@@ -110,17 +113,20 @@ class CheckpointManager:
     the prepared model and optimizer, the EMA (or None). `fire(event, *args)` fires a Trainer event;
     `before_save()` runs before every checkpoint (the Trainer logs the updates not yet logged, which also stops a
     run on a non-finite loss before anything is written over a good checkpoint); `say` prints on the main process;
-    `save_full_model(path)`: under FSDP, every rank gathers the shards and the main one writes (sharding.py)."""
+    `save_full_model(path)`: under FSDP, every rank gathers the shards and the main one writes (sharding.py).
+    `tokenizer`: what build_data handed over (its "tokenizer": a tokenizer or processor), saved beside a
+    transformers model."""
 
     def __init__(
         self, accelerator, args, *, state: list, data, model, optimizer, ema, preemption, say, fire, before_save,
-        save_full_model=None,
+        save_full_model=None, tokenizer=None,
     ):  # fmt: skip
         self.accelerator, self.args = accelerator, args
         self.components, self.data = state, data
         self.model, self.optimizer, self.ema = model, optimizer, ema
         self.preemption, self.say, self.fire, self.before_save = preemption, say, fire, before_save
         self.save_full_model = save_full_model
+        self.tokenizer = tokenizer
         self.saved_step = None  # the step of the last checkpoint written by this run
         self.pending_path = None  # a background write's folder, until checkpoint_written fired for it
         self.writer = self._async_writer() if args.save_async else None
@@ -184,9 +190,14 @@ class CheckpointManager:
         return path
 
     def save_model(self, path: str | None = None) -> str:
-        """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`."""
+        """The evaluated weights (EMA when on) as safetensors of the plain model: no `module.`/`_orig_mod.`.
+        A transformers model's folder (that of `path`) becomes a save_pretrained folder with the recipe's
+        tokenizer (pretrained.py): from_pretrained and pipeline() load it."""
         acc, out = self.accelerator, self.args.output_dir
         path = path or os.path.join(out, "model.safetensors")
+        plain = acc.unwrap_model(self.model, keep_torch_compile=False)
+        if pretrained.is_pretrained(plain):
+            return self._save_pretrained(plain, os.path.dirname(path))
         if self.save_full_model is not None:  # every rank takes part in gathering the shards; the main one writes
             return self.save_full_model(path)
         acc.wait_for_everyone()
@@ -195,6 +206,18 @@ class CheckpointManager:
             ckpt_folder.write_file_atomically(path, lambda tmp: save_model(model, tmp), out, f"the model to {path}")
         acc.wait_for_everyone()
         return path
+
+    def _save_pretrained(self, plain, folder: str) -> str:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        # Under FSDP every rank takes part in gathering the full state once; the main process alone writes.
+        sd = full_state_dict(acc, self.model) if self.ema is None else None
+        if acc.is_main_process:
+            if self.ema is not None:  # the EMA is refused under FSDP: a plain module on the main process
+                sd = self.ema.module.state_dict()
+            pretrained.write_folder(plain, sd, folder, self.args.output_dir, tokenizer=self.tokenizer)
+        acc.wait_for_everyone()
+        return os.path.join(folder, "model.safetensors")
 
     # --save_async (async_writer.py): the write runs in the background; a failure stops every rank at one update.
     def _async_writer(self):
