@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import build, debugging, evaluation, faults, loaders, preflight, sharding
+from . import build, debugging, evaluation, faults, loaders, peers, preflight, sharding
 from .accel import configure_process
 from .args import TrainingArguments
 from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
@@ -147,9 +147,10 @@ class Trainer:
         self.log_window = LogWindow(args, acc, self.data, self.train_loader, self.scheduler, self.progress)
         self._train_iter = None  # fetch_batch()'s position
         self._debug = debugging.DebugStart()  # undone by fit(): train_step/overfit_batch (debugging.py)
-        # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
+        # Faults: preemption votes ride on the update's all-reduce (faults.py); a side gloo group names a dead rank
+        # (peers.py).
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
-        self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
+        self._diag_group = peers.make_diagnostic_group(acc, args.ddp_timeout)
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
@@ -213,10 +214,10 @@ class Trainer:
         self.model.train()
         self.meter.restart()
         self.events.fire("fit_start", self)
-        peers = faults.peer_failures(
+        peers_watched = peers.peer_failures(
             self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step, args.output_dir
         )
-        with self.checkpoints.guard(), self.preemption, peers:
+        with self.checkpoints.guard(), self.preemption, peers_watched:
             for window in preflight.checked(self, self.windows()):  # micro-batches of one update; the first checked
                 self.update(window)
                 self.events.fire("update_end", self)
