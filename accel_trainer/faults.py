@@ -9,7 +9,8 @@ anyway (one more number in it, no extra collective): a signal that reaches one r
 step. A second signal ends the process at once (the default action).
 
 Elastic restarts: under `accelerate launch --max_restarts N` (torchrun), a restarted worker group sees
-TORCHELASTIC_RESTART_COUNT > 0 and resumes from the newest good checkpoint by itself (`auto`).
+TORCHELASTIC_RESTART_COUNT > 0 (restart_count) and resumes from the newest good checkpoint by itself (`auto`;
+checkpointing/resume.py, effective_resume_spec).
 
 Faults are injected in tests through the Trainer's named events (tests/fault_recipe.py), never from inside fit().
 """
@@ -68,14 +69,6 @@ def restart_count() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
-
-
-def effective_resume_spec(spec: str | None) -> str | None:
-    """On an elastic restart the newest checkpoint of this run wins over whatever the command line said: the
-    group restarts with the same arguments and must continue, not start over (or from the original folder)."""
-    if restart_count() > 0:
-        return "auto" if spec in (None, "latest", "auto") else f"auto:{spec}"
-    return spec
 
 
 # Set by `accel-trainer launch` for its workers: they arrive with SIGUSR1 ignored (the launcher ignores it in
