@@ -27,7 +27,7 @@ from .world import check_world, launched_world_size
 
 # What NCCL's watchdog does when a collective fails or times out (--ddp_timeout). torch's default, 3 (SkipCleanUp),
 # ends the process from the watchdog thread: the main thread never sees an exception, so the Trainer cannot name
-# the rank that stopped answering (faults.describe_peer_failure, which gloo reaches). 2 (CleanUpOnly) aborts the
+# the rank that stopped answering (peers.describe_peer_failure, which gloo reaches). 2 (CleanUpOnly) aborts the
 # communicators, which ends the NCCL kernels still waiting, and leaves the process alive: the failure reaches the
 # main thread as an exception at its next use of the group, and the Trainer names the rank on its gloo side group,
 # then exits 1. Read when the NCCL process group is created. Not yet run on a GPU (docs/fault-tolerance.md).
@@ -92,7 +92,7 @@ def nccl_error_handling(environ=None):
 
 
 # torch's Flight Recorder keeps the last N collectives each rank entered (name, sequence number, state), on gloo and
-# NCCL alike; faults.StackDumps writes them beside each rank's stack when a collective fails. Read when the process
+# NCCL alike; peers.StackDumps writes them beside each rank's stack when a collective fails. Read when the process
 # group is created. 0 switches it off; measured ~20 us per collective on this project's gloo CPU runs.
 FLIGHT_RECORDER = ("TORCH_FR_BUFFER_SIZE", "2000")
 

@@ -85,8 +85,8 @@ class DebugStart:
         trainer.updater.reference = s["items_per_rank"]
         _set_rng_state(s["rng"])
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer._train_iter, trainer._log_window = None, []  # fetch_batch's position; rows of the debug updates
-        trainer._nan_batches.clear()
+        trainer._train_iter = None  # fetch_batch's position
+        trainer.log_window.clear()  # the debug updates' rows
         trainer.reporter.print(
             f"fit(): the {n} debugging update(s) (train_step, overfit_batch) are undone; training starts from the "
             f"state the Trainer was built with (step {trainer.global_step})."

@@ -32,9 +32,12 @@ EVENT_HOOKS = tuple(f"on_{event}" for event in EVENTS)
 class RecipeContext:
     """What a recipe's builders know about the run. Frozen: a builder reads it, it cannot re-point it.
 
+    One per run: resolve_args builds it for `configure`, and the Trainer completes that same object as set-up
+    learns more (`complete`), so `configure` and every builder see one context.
     `args` and `targs` are the resolved arguments; only `configure` may change their fields (presets).
-    `accelerator` is None in `configure` (it is built from the resolved arguments); `num_training_steps` (optimizer
-    updates of the whole run) is None until the data is built, i.e. known in build_optimizer/build_scheduler.
+    `accelerator` is None in `configure` (it is built from the resolved arguments), and `world_size` is then the
+    launcher's; `num_training_steps` (optimizer updates of the whole run) is None until the data is built, i.e.
+    known in build_optimizer/build_scheduler.
     """
 
     args: Any  # the recipe's own Args dataclass instance, or None
@@ -105,6 +108,25 @@ class RecipeContext:
 
     def replace(self, **changes) -> RecipeContext:
         return dataclasses.replace(self, **changes)
+
+    def complete(
+        self, accelerator=None, targs=None, resume_from: str | None = None, num_training_steps: int | None = None
+    ) -> RecipeContext:
+        """The Trainer's, not a builder's: fill in what set-up has learnt (the Accelerator and this process's place
+        in its world, with the checkpoint the run resumes from (None: a new run) and the Trainer's copy of the
+        training arguments; then the run length) in this object, and return it. In place (frozen to recipes, hence
+        object.__setattr__, which dataclasses document for this): a second Trainer from the same resolved arguments
+        completes it again for its own Accelerator."""
+        if targs is not None:
+            object.__setattr__(self, "targs", targs)
+        if accelerator is not None:
+            object.__setattr__(self, "accelerator", accelerator)
+            object.__setattr__(self, "resume_from", resume_from)
+            object.__setattr__(self, "world_size", accelerator.num_processes)
+            object.__setattr__(self, "process_index", accelerator.process_index)
+        if num_training_steps is not None:
+            object.__setattr__(self, "num_training_steps", num_training_steps)
+        return self
 
 
 @dataclass

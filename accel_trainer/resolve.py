@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import MISSING, fields, is_dataclass
-from typing import Any, NamedTuple
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from typing import Any
 
 from .args import ArgumentError, TrainingArguments
 from .flags import parse_args
@@ -42,13 +41,21 @@ def user_values(targs: TrainingArguments | None, rargs=None) -> dict[str, Any]:
     return values
 
 
-class ResolvedArgs(NamedTuple):
+@dataclass(frozen=True)
+class ResolvedArgs:
     """What `resolve_args` returns and `Trainer(recipe, resolved)` takes as it is: the resolved training arguments,
-    the recipe's arguments and the fields the user set. A tuple, so `targs, rargs, given = resolve_args(...)` works."""
+    the recipe's arguments and the fields the user set; with them the recipe they were resolved for (loaded once)
+    and the one RecipeContext of the run, which `configure` saw and the Trainer completes (RecipeContext.complete).
+    Unpacks as before: `targs, rargs, given = resolve_args(...)`."""
 
     targs: TrainingArguments
     rargs: Any  # the recipe's Args instance, or None
     given: frozenset
+    recipe: Recipe
+    ctx: RecipeContext
+
+    def __iter__(self):
+        return iter((self.targs, self.rargs, self.given))
 
 
 def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] | None = None, world_size=None):
@@ -59,10 +66,10 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
 
     The user's values come either from a command line (`argv`, which may start with a YAML/JSON arguments file)
     or from Python (`values`: field names of TrainingArguments or the recipe's Args). `configure` sees which fields
-    the user set (`ctx.given`) and leaves them alone. Returns ResolvedArgs(targs, recipe args or None, given).
+    the user set (`ctx.given`) and leaves them alone. Returns ResolvedArgs (unpacks as targs, recipe args or None, given).
     A bad flag exits 2 (argparse); a bad keyword raises ArgumentError naming it.
     """
-    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)  # run() passes the one it loaded
+    recipe = load_recipe(recipe)  # the one load of a run: the Trainer takes it from the result
     if values is None:
         targs, rargs, given = parse_args(recipe.Args, argv, defaults=recipe.defaults, return_given=True)
     else:
@@ -79,25 +86,17 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
         rargs = recipe.Args(**{k: v for k, v in chosen.items() if k in names["rargs"]}) if recipe.Args else None
         given = set(values)
     given = frozenset(given)
+    # The run's one RecipeContext. configure runs before the Accelerator exists (its presets may change the
+    # arguments the Accelerator is built from), so it sees the launcher's world; the Trainer completes this same
+    # object once the Accelerator exists (RecipeContext.complete), and every builder gets it.
+    world = world_size if world_size is not None else launched_world_size()
+    ctx = RecipeContext(args=rargs, targs=targs, world_size=world, given=given)
     if recipe.configure:
-        world = world_size if world_size is not None else launched_world_size()
-        recipe.configure(RecipeContext(args=rargs, targs=targs, world_size=world, given=given))
-    return ResolvedArgs(targs, rargs, given)
+        recipe.configure(ctx)
+    targs.output_dir = output_dir_of(targs, recipe)  # after configure: a preset may name the folder
+    return ResolvedArgs(targs, rargs, given, recipe, ctx)
 
 
 def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:
     """--output_dir, or output/<recipe name> when it is not given."""
     return args.output_dir if args.output_dir is not None else os.path.join("output", recipe.name)
-
-
-def trainer_arguments(recipe, args=None, recipe_args=None) -> tuple[Recipe, TrainingArguments, Any, frozenset]:
-    """What a Trainer runs with: the recipe (loaded, unless it is a Recipe already: run() loads it once), the
-    training arguments, the recipe's arguments and the fields the user set. The training arguments are a copy of
-    the caller's: they are not changed (the output folder default), so they can build another Trainer.
-    resolve_args' result is taken as it is; a notebook's TrainingArguments(...) (and recipe Args) is resolved like
-    the same flags on the command line."""
-    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    resolved = args if isinstance(args, ResolvedArgs) else resolve_args(recipe, values=user_values(args, recipe_args))
-    targs = dataclasses.replace(resolved.targs)
-    targs.output_dir = output_dir_of(targs, recipe)
-    return recipe, targs, resolved.rargs, resolved.given

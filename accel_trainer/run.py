@@ -1,7 +1,9 @@
 """`run(recipe)`: what `python recipes/x.py`, `accelerate launch recipes/x.py` and `accel-trainer train` call.
 
-Resolves the arguments (resolve.resolve_args: the one resolution every entry point shares), builds the Trainer and
-fits. A known kind of bad input (a missing recipe or data file, an occupied output folder, a bad checkpoint, a bad
+Set-up flows one way: resolve.resolve_args loads the recipe once and resolves the arguments once (the one
+resolution every entry point shares; the recipe's `configure` sees the run's one RecipeContext), then the Trainer
+builds the process and the Accelerator from them (accel.configure_process), completes that context and builds its
+components; then it fits. A known kind of bad input (a missing recipe or data file, an occupied output folder, a bad checkpoint, a bad
 argument value) ends with one clear line on stderr and exit 1, not a traceback; anything else raises as usual.
 """
 
@@ -20,16 +22,13 @@ def run(recipe, argv: list[str] | None = None) -> dict:
 
 
 def _run(recipe, argv):
-    from .recipe import load_recipe
-    from .resolve import output_dir_of
     from .trainer import Trainer
 
     output_dir = None  # known once the arguments are: a full disk from then on is one line
     try:
-        recipe = load_recipe(recipe)
         args = resolve_args(recipe, argv)
-        output_dir = output_dir_of(args.targs, recipe)
-        return Trainer(recipe, args).fit()
+        output_dir = args.targs.output_dir
+        return Trainer(args.recipe, args).fit()
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

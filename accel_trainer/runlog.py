@@ -14,6 +14,7 @@ import platform
 import sys
 import time
 import weakref
+from dataclasses import asdict, is_dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -28,6 +29,14 @@ def library_versions() -> dict[str, str]:
             out[pkg] = "not installed"
     out["cuda"] = torch.version.cuda or "none"
     return out
+
+
+def flat_config(args, recipe_args) -> dict:
+    """The scalar arguments, for the trackers (recipe fields as recipe.<name>)."""
+    cfg = {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
+    if is_dataclass(recipe_args):
+        cfg.update({f"recipe.{k}": v for k, v in asdict(recipe_args).items() if isinstance(v, (int, float, str, bool))})
+    return cfg
 
 
 def _json_safe(value):

@@ -1,9 +1,11 @@
 """The Trainer: one object over `accelerate.Accelerator` that owns the loop. Read it top to bottom:
 
-    __init__   take the resolved arguments (resolve.py), configure the process and build the Accelerator
-               (accel.configure_process), then the recipe's model, loaders (loaders.py), optimizer and scheduler
-               (optim.py by default), prepare; resume (checkpointing/manager.py) when a checkpoint is named
-    fit        for each accumulation window: update, then log / evaluate / checkpoint / preempt when due
+    __init__   set-up, one way: take the arguments resolved once (resolve.py: the recipe, loaded once, and the run's
+               one RecipeContext), configure the process and build the Accelerator (accel.configure_process),
+               complete the context, then the recipe's model, loaders (loaders.py), optimizer and scheduler
+               (build.py; optim.py by default), prepare; the components that own the run's state; resume
+               (checkpointing/manager.py) when a checkpoint is named
+    fit        for each accumulation window: update, then log (logwindow.py) / evaluate / checkpoint / preempt when due
     update     one optimizer update (update.py: item-weighted accumulation, clip, step, schedule, EMA); the step count
     evaluate   evaluation.py: every eval sample once on any world size, the metrics, the best model kept; the
                evaluate_end event
@@ -17,21 +19,20 @@ Hooks are named events (events.py), never subclassing: a recipe's `on_<event>` f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import math
 import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from accelerate.utils import DistributedType, set_seed
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import debugging, evaluation, faults, loaders, nan_batch, precision, preflight, sharding
+from . import build, debugging, evaluation, faults, loaders, peers, preflight, sharding
 from .accel import configure_process
 from .args import TrainingArguments
 from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
@@ -39,21 +40,16 @@ from .checkpointing.pretrained import push_to_hub
 from .entry import python_api
 from .errors import UserError
 from .events import Events
-from .optim import default_optimizer, default_scheduler
-from .recipe import RecipeContext, load_recipe
+from .logwindow import LogWindow, NonFiniteLossError  # noqa: F401 - NonFiniteLossError: its old home, for callers
 from .resolve import (
     ResolvedArgs,
     output_dir_of,  # noqa: F401 - its old home: callers may still import it from here
     resolve_args,
-    trainer_arguments,
+    user_values,
 )
-from .runlog import Reporter, end_line, library_versions, start_line, topology
-from .throughput import Meter, detected_peak_tflops, host_floats
-from .update import Updater, registered_comm_hook
-
-
-class NonFiniteLossError(UserError):
-    pass
+from .runlog import Reporter, end_line, flat_config, start_line
+from .throughput import Meter, detected_peak_tflops
+from .update import Updater
 
 
 class AfterTrainingError(UserError):
@@ -92,27 +88,35 @@ class Trainer:
     def __init__(
         self, recipe, args: ResolvedArgs | TrainingArguments | None = None, recipe_args=None, quiet: bool = False
     ):
-        self.recipe, self.args, self.recipe_args, self.given = trainer_arguments(recipe, args, recipe_args)
-        self.recipe = preflight.counting_items(self.recipe)  # a bare 0-d loss: weighed by the batch's samples
+        # Set-up flows one way. The arguments, resolved once (resolve.py; run() and from_recipe have done it, a
+        # notebook's TrainingArguments(...) is resolved here like the same flags), with the recipe loaded once (given
+        # ResolvedArgs, the recipe they were resolved for is the one used) and the run's one RecipeContext, which
+        # the recipe's configure saw.
+        resolved = (
+            args if isinstance(args, ResolvedArgs) else resolve_args(recipe, values=user_values(args, recipe_args))
+        )
+        # The Trainer's own copy of the training arguments: the caller's can build another Trainer as they are.
+        self.args, self.recipe_args, self.given = dataclasses.replace(resolved.targs), resolved.rargs, resolved.given
         args = self.args
+        self.recipe = preflight.counting_items(resolved.recipe)  # a bare 0-d loss: weighed by the batch's samples
         # Everything the run changes in the whole process happens in accel.configure_process, recorded in
-        # run_config.json ("process"); the world is known from here on.
+        # run_config.json ("process"); the world is known from here on, and completes the context.
         self.accelerator, self.process = configure_process(args)
         acc = self.accelerator
-        resume_path, kept_best = prepare_output_dir(acc, args)  # checked on every rank before any rank writes
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
-        self.events = Events()
-        for event, handler in self.recipe.events.items():
-            self.events.on(event, handler)
-        self.ctx = self._context(resume_path)
+        resume_path, kept_best = prepare_output_dir(acc, args)  # checked on every rank before any rank writes
+        self.ctx = resolved.ctx.complete(acc, targs=args, resume_from=resume_path)
         # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
         # arguments keep the user's --learning_rate.
         self.learning_rate = self.ctx.learning_rate
+        self.events = Events()
+        for event, handler in self.recipe.events.items():
+            self.events.on(event, handler)
 
-        # Model and data: the recipe's. Loaders first: the number of batches per epoch on this rank (after
-        # Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
+        # Model and data: the recipe's (build.py). Loaders first: the number of batches per epoch on this rank
+        # (after Accelerate shards them) sets the number of updates, which the scheduler needs before it is built.
         set_seed(args.seed)
-        model = self._build_model()
+        model = build.build_model(self.recipe, self.ctx)
         # self.data: where the run is in its data (loaders.MapPosition, or streaming.Stream for a stream)
         built = self.recipe.build_data(self.ctx)
         self.train_loader, self.eval_loader, self.data = loaders.build_loaders(built, args, acc, self.recipe.name)
@@ -122,24 +126,31 @@ class Trainer:
                 f"note: --dataloader_num_workers {args.dataloader_num_workers} does nothing here: recipe "
                 f"{self.recipe.name} batches its data itself (build_data's 'loader'), in the training process."
             )
-        self.micro_batches_per_epoch, self.updates_per_epoch, self.total_steps = self._run_length()
-        self.ctx = self.ctx.replace(num_training_steps=self.total_steps)
+        # (micro-batches per epoch on this rank, updates per epoch, total updates). A stream's length is unknown
+        # (None): the run length is --max_steps, an epoch ends when the stream does.
+        run_length = self.data.run_length(args, self.eval_loader, self.recipe.name)
+        self.micro_batches_per_epoch, self.updates_per_epoch, self.total_steps = run_length
+        self.ctx.complete(num_training_steps=self.total_steps)
 
-        # Optimisation: the recipe's optimizer and scheduler, or our defaults; prepared (under FSDP: sharded).
-        (self.model, self.optimizer, self.scheduler), self.sharding_info = self._prepare(model)
+        # Optimisation (build.prepare): the recipe's optimizer and scheduler, or our defaults, prepared (under FSDP:
+        # sharded); the fp8 count (None without fp8) and the EMA copy (None without --ema_decay).
+        ready = build.prepare(self.recipe, self.ctx, model)
+        self.model, self.optimizer, self.scheduler, self.sharding_info, self.fp8_layers, self.ema = ready
         self.sharded = acc.distributed_type == DistributedType.FSDP
-        self.fp8_layers = self._check_fp8()  # {"converted", "linear", "backend"} under fp8, else None
-        self.ema = self._build_ema()  # None without --ema_decay
+        if ready.fp8_layers:
+            self.reporter.print(
+                "fp8: {converted} of {linear} Linear layers converted ({backend}).".format(**ready.fp8_layers)
+            )
 
         # The run's state, and the components that own theirs.
         self.progress = Progress(**kept_best)
-        self._log_window: list = []  # (loss tensor, grad norm, step, stepped) per update since the last log
-        self._nan_batches = nan_batch.Tracker(keep_batches=self.data.per_rank)  # --nan_policy stop: which batch
+        self.log_window = LogWindow(args, acc, self.data, self.train_loader, self.scheduler, self.progress)
         self._train_iter = None  # fetch_batch()'s position
         self._debug = debugging.DebugStart()  # undone by fit(): train_step/overfit_batch (debugging.py)
-        # Faults (faults.py): preemption votes ride on the update's all-reduce; a side gloo group names a dead rank.
+        # Faults: preemption votes ride on the update's all-reduce (faults.py); a side gloo group names a dead rank
+        # (peers.py).
         self.preemption = faults.Preemption(acc.device, acc.num_processes)
-        self._diag_group = faults.make_diagnostic_group(acc, args.ddp_timeout)
+        self._diag_group = peers.make_diagnostic_group(acc, args.ddp_timeout)
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
@@ -155,9 +166,9 @@ class Trainer:
         if args.profile_steps:
             self._attach_profiler()
 
-        self._write_run_config()
+        self.reporter.write_run_config(os.path.join(args.output_dir, "run_config.json"), build.run_config(self))
         if args.trackers:
-            acc.init_trackers(args.run_name or self.recipe.name, config=self._flat_config())
+            acc.init_trackers(args.run_name or self.recipe.name, config=flat_config(args, self.recipe_args))
         if resume_path:
             self.checkpoints.resume(resume_path)
         self.reporter.print(start_line(self.reporter.run_config, args.output_dir, resume_path))
@@ -168,8 +179,8 @@ class Trainer:
         """A Trainer from a recipe and the values you would give as flags: `Trainer.from_recipe(regression,
         output_dir="out", max_steps=200, hidden_size=64)` is `python recipes/regression.py --output_dir out
         --max_steps 200 --hidden_size 64`, the same resolved arguments (recipe defaults, presets, then yours)."""
-        recipe = load_recipe(recipe)
-        return cls(recipe, resolve_args(recipe, values=values), quiet=quiet)
+        resolved = resolve_args(recipe, values=values)
+        return cls(resolved.recipe, resolved, quiet=quiet)
 
     def on(self, event: str, handler):
         """Attach a handler to a named event: one of events.EVENTS (the table in events.py says when each fires)."""
@@ -185,117 +196,11 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------- set-up
 
-    def _context(self, resume_from: str | None) -> RecipeContext:
-        acc = self.accelerator
-        return RecipeContext(
-            args=self.recipe_args,
-            targs=self.args,
-            world_size=acc.num_processes,
-            process_index=acc.process_index,
-            accelerator=acc,
-            given=self.given,
-            resume_from=resume_from,
-        )
-
-    def _build_model(self) -> torch.nn.Module:
-        model = self.recipe.build_model(self.ctx)
-        if self.args.gradient_checkpointing:
-            # transformers >= 5 names it activation_checkpointing_enable (the old name warns); 4.x has only the old.
-            enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-                model, "gradient_checkpointing_enable", None
-            )
-            if enable is None:
-                raise UserError(
-                    "--gradient_checkpointing needs a transformers model (activation_checkpointing_enable)"
-                    "; for another model, wrap its blocks in torch.utils.checkpoint in build_model."
-                )
-            enable()
-        if self.args.sync_batchnorm and self.accelerator.num_processes > 1:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        return model
-
-    def _run_length(self) -> tuple[int | None, int | None, int]:
-        """(micro-batches per epoch on this rank, updates per epoch, total updates). A stream's length is unknown
-        (None): the run length is --max_steps, an epoch ends when the stream does."""
-        return self.data.run_length(self.args, self.eval_loader, self.recipe.name)
-
-    def _prepare(self, model):
-        """((model, optimizer, scheduler) prepared by Accelerate, what sharding learned). Under FSDP
-        (sharding.py): the wrap policy for this model first, then the check that it really is sharded."""
-        r, args = self.recipe, self.args
-        optimizer = (
-            r.build_optimizer(model, self.ctx)
-            if r.build_optimizer
-            else default_optimizer(model, args, self.accelerator.device, self.learning_rate)
-        )
-        scheduler = (
-            r.build_scheduler(optimizer, self.ctx)
-            if r.build_scheduler
-            else default_scheduler(optimizer, self.total_steps, args)
-        )
-        return sharding.prepare_sharded(self.accelerator, model, optimizer, scheduler, wrap=r.fsdp_wrap)
-
-    def _check_fp8(self) -> dict | None:
-        # fp8 converts only some layers: counted, written to run_config.json, and refused when there are none.
-        acc = self.accelerator
-        if acc.mixed_precision != "fp8":
-            return None
-        c = precision.check_fp8_layers(self.model, str(acc.fp8_backend.value))
-        self.reporter.print(f"fp8: {c['converted']} of {c['linear']} Linear layers converted ({c['backend']}).")
-        return c
-
-    def _build_ema(self) -> AveragedModel | None:
-        # The EMA copy is of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names.
-        if self.args.ema_decay <= 0:
-            return None
-        multi_avg_fn = get_ema_multi_avg_fn(self.args.ema_decay)
-        return AveragedModel(self.unwrapped_model, multi_avg_fn=multi_avg_fn, use_buffers=True)
-
     def _attach_profiler(self):
         from .profiling import UpdateProfiler
 
         self.profiler = UpdateProfiler(self)
         self.profiler.attach(self.events)
-
-    def _flat_config(self) -> dict:
-        cfg = {k: v for k, v in self.args.to_dict().items() if isinstance(v, (int, float, str, bool))}
-        if is_dataclass(self.recipe_args):
-            cfg.update(
-                {
-                    f"recipe.{k}": v
-                    for k, v in asdict(self.recipe_args).items()
-                    if isinstance(v, (int, float, str, bool))
-                }
-            )
-        return cfg
-
-    def _write_run_config(self):
-        self.reporter.write_run_config(
-            os.path.join(self.args.output_dir, "run_config.json"),
-            {
-                "recipe": self.recipe.name,
-                "num_processes": self.accelerator.num_processes,
-                "global_train_batch_size": self.ctx.global_batch_size,
-                "total_steps": self.total_steps,
-                "updates_per_epoch": self.updates_per_epoch,
-                "learning_rate": {
-                    "used": self.learning_rate,
-                    "base": self.args.learning_rate,
-                    "scaling": self.args.lr_scaling,
-                    "base_batch_size": self.args.lr_base_batch_size,
-                },
-                "args": self.args.to_dict(),
-                "recipe_args": asdict(self.recipe_args) if is_dataclass(self.recipe_args) else None,
-                "topology": topology(self.accelerator),
-                # the DDP comm hook in place, as registered by Accelerate; None: no DDP model
-                "ddp_comm_hook": registered_comm_hook(self.updater.ddp),
-                "process": self.process,  # what the run changed in the whole process (accel.configure_process)
-                "fp8_layers": self.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
-                # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
-                "sharding": sharding.rank_holdings(self.accelerator, self.model, self.optimizer, self.sharding_info),
-                "versions": library_versions(),
-            },
-        )
 
     # ------------------------------------------------------------------------------------------------- training
     @python_api
@@ -309,10 +214,10 @@ class Trainer:
         self.model.train()
         self.meter.restart()
         self.events.fire("fit_start", self)
-        peers = faults.peer_failures(
+        peers_watched = peers.peer_failures(
             self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step, args.output_dir
         )
-        with self.checkpoints.guard(), self.preemption, peers:
+        with self.checkpoints.guard(), self.preemption, peers_watched:
             for window in preflight.checked(self, self.windows()):  # micro-batches of one update; the first checked
                 self.update(window)
                 self.events.fire("update_end", self)
@@ -415,41 +320,15 @@ class Trainer:
         Returns the mean loss over every item of the global batch (a tensor; no host sync)."""
         done = self.updater(window, schedule=schedule)
         self.progress.updated(done.stepped)
-        self._log_window.append((done.loss, done.grad_norm, self.global_step, done.stepped))
-        if self.args.nan_policy == "stop":  # which batch, should this window's row see a non-finite value
-            self._nan_batches.record(self.updater.micro_losses, window, self.data, self.micro_batches_per_epoch)
+        self.log_window.record(done, window, self.updater.micro_losses, self.micro_batches_per_epoch)
         return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
-        """One metrics.jsonl row for the updates since the last log (the only host sync of the loop)."""
-        if not self._log_window:
+        """One metrics.jsonl row for the updates since the last log (logwindow.py: the only host sync of the loop)."""
+        metrics = self.log_window.row()
+        if metrics is None:
             return None
-        window = self._log_window
-        # --nan_policy stop checks the updates' gradient norms with their losses.
-        stop = self.args.nan_policy == "stop"
-        checked = [i for i, (_, g, _, stepped) in enumerate(window) if g is not None and stepped] if stop else []
-        # The window's values as Python floats in one call (throughput.host_floats: no host sync per value on an
-        # accelerator); the finiteness test and the mean are arithmetic on the list, not tensor ops.
-        values = host_floats([v for v, *_ in window] + [window[i][1] for i in checked])
-        losses = values[: len(window)]
-        all_finite = all(map(math.isfinite, values))
-        if not all_finite and self.args.nan_policy == "stop":
-            self._stop_if_not_finite(losses, dict(zip(checked, values[len(window) :])))
-        finite = losses if all_finite else [v for v in losses if math.isfinite(v)]  # --nan_policy skip: those
-        loss = sum(finite) / len(finite) if finite else math.nan
-        metrics = {
-            "loss": loss,
-            "learning_rate": self.scheduler.get_last_lr()[0],
-        }
-        if self.args.max_grad_norm > 0 and window[-1][1] is not None:  # the last update's norm, when clipping
-            metrics["grad_norm"] = float(window[-1][1])
-        if self.accelerator.scaler is not None:
-            metrics["loss_scale"] = self.accelerator.scaler.get_scale()
-        if self.progress.skipped_steps or self.accelerator.scaler is not None or self.args.nan_policy == "skip":
-            metrics["skipped_steps"] = self.progress.skipped_steps
         metrics.update(self.meter.row())  # throughput, step time, data wait, memory (mfu): a gather on N ranks
-        self._log_window = []
-        self._nan_batches.clear()
         if progress_bar is not None and not progress_bar.disable:
             # What set_postfix(loss=..., samples_s=...) shows, without its OrderedDict and number checks (~20K CPU
             # instructions a row, callgrind); no refresh of its own: the row's progress_bar.write redraws the bar.
@@ -457,26 +336,6 @@ class Trainer:
                 f"loss={metrics['loss']:.4g}, samples_s={metrics['samples_per_second']:.4g}", refresh=False
             )
         return self.reporter.log(metrics, self.global_step, self._epoch_float(), progress_bar)
-
-    def _stop_if_not_finite(self, losses, norms: dict):
-        """--nan_policy stop: the first update of the log window whose loss, or whose gradient norm (`norms`: index in
-        the window -> norm; a finite loss can have NaN/inf gradients, which the step turns into NaN weights), is not
-        finite stops the run."""
-        for first, loss in enumerate(losses):
-            norm = norms.get(first, 0.0)
-            if math.isfinite(loss) and math.isfinite(norm):
-                continue
-            what = f"Loss is {loss}" if not math.isfinite(loss) else f"The gradient norm is {norm} (loss {loss:.4g})"
-            step = self._log_window[first][2]
-            where = nan_batch.describe(
-                self._nan_batches, first, step, loader=self.train_loader, stream=self.data.per_rank,
-                accelerator=self.accelerator, output_dir=self.args.output_dir,
-            )  # fmt: skip
-            raise NonFiniteLossError(
-                f"{what} at step {step}; the run stops (no checkpoint is written over the last good one). The batch: "
-                f"{where}. Replay it with the recipe's loss (docs/fault-tolerance.md, When it fails), lower the "
-                "learning rate, check the data, or pass --nan_policy skip."
-            )
 
     def _epoch_float(self) -> float:
         return self.data.epoch_float()

@@ -151,11 +151,11 @@ _watcher_waits = threading.Event()  # store_delay: the watcher is inside its slo
 
 
 def _slow_watcher_store(delay: float):
-    """store_delay: the stack-dump watcher (faults.StackDumps) gets a store whose poll, from the last update on,
+    """store_delay: the stack-dump watcher (peers.StackDumps) gets a store whose poll, from the last update on,
     first waits `delay` s inside the store's own C++ wait (on a key nobody sets), as a slow answer would."""
     from datetime import timedelta
 
-    from accel_trainer import faults
+    from accel_trainer import peers
 
     class SlowStore:
         def __init__(self, store):
@@ -173,8 +173,8 @@ def _slow_watcher_store(delay: float):
         def get(self, key):
             return self.store.get(key)
 
-    real = faults.StackDumps._store
-    faults.StackDumps._store = lambda self: (lambda s: SlowStore(s) if s is not None else None)(real(self))
+    real = peers.StackDumps._store
+    peers.StackDumps._store = lambda self: (lambda s: SlowStore(s) if s is not None else None)(real(self))
 
 
 def on_fit_end(trainer, metrics):

@@ -150,6 +150,23 @@ def test_the_loop_never_imports_the_cluster_commands_plotting_or_recipe_helpers(
     assert {product(d) for d in init} <= {"loop", KIT} and {d for d in init if product(d) == KIT} <= {"kit.metrics"}
 
 
+# A module of the loop a reader can hold in their head: over this, a part with its own state belongs in a component
+# of its own (issue 30). The other products (cluster/, tools/, kit/) are not the loop.
+LOOP_MODULE_LINES = 450
+
+
+def test_no_module_of_the_loop_is_over_450_lines():
+    over = {}
+    for m, path in modules().items():
+        if product(m) != "loop":
+            continue
+        with open(path) as f:
+            n = sum(1 for _ in f)
+        if n > LOOP_MODULE_LINES:
+            over[os.path.relpath(path, ROOT)] = n
+    assert not over, f"modules of the loop over {LOOP_MODULE_LINES} lines: {over}"
+
+
 # The same at run time, whatever the source says: importing every module of the loop and of kit/ loads neither the
 # cluster commands nor the plotting command, nor matplotlib.
 LOADED = """

@@ -158,7 +158,7 @@ def test_save_async_sigkill_during_a_background_write_then_resume_is_bit_identic
 
 
 def test_a_finished_run_waits_for_its_stack_dump_watcher_and_exits_0(tmp_path, runs):
-    # Every rank's stack-dump watcher (faults.StackDumps) polls the launcher's store from a daemon thread. Left inside
+    # Every rank's stack-dump watcher (peers.StackDumps) polls the launcher's store from a daemon thread. Left inside
     # a store call when the interpreter exits, it aborted a finished run: "terminate called without an active
     # exception", SIGABRT, exit 1 (seen in CI on a loaded machine, after the final evaluation). store_delay holds
     # the watcher in a 1 s store call while training ends; the run must wait for it and exit 0.

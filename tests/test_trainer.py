@@ -248,3 +248,32 @@ def test_fp16_a_nan_batch_skipped_with_clipping_leaves_the_scaler_consistent(tmp
     if clip:
         assert float(t.updater.grad_norm) > clip  # the updates after it were clipped (unscaled first)
     assert t.log()["skipped_steps"] == 1
+
+
+def test_configure_and_every_builder_get_the_run_s_one_context_completed_as_set_up_learns(tmp_path):
+    # Set-up flows one way: the context configure saw (before the Accelerator exists) is the one each builder gets,
+    # completed with the Accelerator and then the run length, not a second context built beside it.
+    from accel_trainer import Recipe
+
+    seen = {}
+
+    def keep(hook, fn):
+        def wrapped(*a):
+            ctx = a[-1]
+            seen[hook] = (ctx, ctx.accelerator, ctx.num_training_steps)
+            return fn(*a)
+
+        return wrapped
+
+    recipe = Recipe(
+        build_model=keep("build_model", regression.build_model), build_data=keep("build_data", regression.build_data),
+        loss=regression.loss, Args=regression.Args, defaults=regression.defaults,
+        configure=keep("configure", regression.configure),
+        build_scheduler=keep("build_scheduler", regression.build_scheduler), name="one_context",
+    )  # fmt: skip
+    t = Trainer.from_recipe(recipe, output_dir=str(tmp_path / "o"), max_steps=3, disable_tqdm=True, quiet=True)
+    assert {id(ctx) for ctx, _, _ in seen.values()} == {id(t.ctx)}, "one RecipeContext per run"
+    assert seen["configure"][1:] == (None, None)  # configure runs before the Accelerator exists
+    assert seen["build_model"][1] is t.accelerator and seen["build_data"][1] is t.accelerator
+    assert seen["build_scheduler"][2] == t.total_steps == 3 == t.ctx.num_training_steps
+    assert t.ctx.targs is t.args and t.ctx.world_size == t.accelerator.num_processes == 1

@@ -54,10 +54,10 @@ def prepare_output_dir(accelerator, args) -> tuple[str | None, dict]:
 
 def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
     """The verified checkpoint to resume from (None: a new run), and a clean output_dir for a new run.
-    'auto' (and any elastic restart, see faults.py) resumes when there is a checkpoint and starts anew when
+    'auto' (and any elastic restart: resume.effective_resume_spec) resumes when there is a checkpoint and starts anew when
     there is none, replacing the logs of an attempt that died before its first checkpoint."""
     out = args.output_dir
-    spec = faults.effective_resume_spec(args.resume_from_checkpoint)
+    spec = ckpt_resume.effective_resume_spec(args.resume_from_checkpoint)
     if spec:
         path = ckpt_resume.resolve_on_main(accelerator, spec, out)
         if path is not None:

@@ -12,6 +12,7 @@ import sys
 from safetensors import safe_open
 from safetensors.torch import load_model
 
+from ..faults import restart_count
 from .folder import (
     EMA_FILE,
     MODEL_FILE,
@@ -165,6 +166,14 @@ def previous_run_advice(output_dir: str) -> str:
         "It has no checkpoint to continue from (it stopped before its first save): pass --overwrite_output_dir to "
         "delete it and start over, or another --output_dir."
     )
+
+
+def effective_resume_spec(spec: str | None) -> str | None:
+    """On an elastic restart the newest checkpoint of this run wins over whatever the command line said: the
+    group restarts with the same arguments and must continue, not start over (or from the original folder)."""
+    if restart_count() > 0:
+        return "auto" if spec in (None, "latest", "auto") else f"auto:{spec}"
+    return spec
 
 
 def resolve_on_main(accelerator, spec: str, output_dir: str) -> str | None:
