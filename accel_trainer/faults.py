@@ -24,6 +24,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 
+from . import privates
 from .errors import UserError
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h; documented in docs/fault-tolerance.md
@@ -471,9 +472,7 @@ def _last_collectives(n: int = 5) -> str:
     try:
         import json
 
-        import torch._C._distributed_c10d as c10d
-
-        entries = json.loads(c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)).get("entries", [])
+        entries = json.loads(privates.flight_recorder_json()).get("entries", [])
     except Exception:  # noqa: BLE001 - best effort
         return ""
     lines = []
