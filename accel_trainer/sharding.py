@@ -34,7 +34,7 @@ import os
 import torch
 from accelerate.utils import DistributedType
 
-from . import privates
+from . import privates, versions
 
 # The seam keeps its names: the Trainer, bench/memory.py and docs/sharding.md call sharding.save_full_model etc.
 from .shards import (  # noqa: F401
@@ -136,6 +136,9 @@ def fsdp_plugin(mixed_precision: str | None = None, reduce_dtype: str | None = N
     fsdp_plugin=...)` and then to `activate_fsdp`: Accelerate keeps no reference to a plugin it built itself."""
     if not fsdp_requested():
         return None
+    too_old = versions.problem("FSDP")  # before Accelerate builds anything from the FSDP config
+    if too_old:
+        raise ShardingError(too_old)
     from accelerate import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()
