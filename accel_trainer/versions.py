@@ -8,7 +8,7 @@ from __future__ import annotations
 # feature: ({package: oldest release that works}, what goes wrong below it, the fix besides upgrading)
 NEEDS = {
     "FSDP": (
-        {"torch": (2, 13), "accelerate": (1, 15)},
+        {"torch": (2, 11), "accelerate": (1, 14)},
         "older releases gave FSDP2 runs whose losses differ from 1 process and a resume after SIGKILL that is not "
         "bit-identical",
         "run without FSDP (DDP: a config without distributed_type FSDP)",

@@ -32,11 +32,11 @@ def test_the_refusal_names_what_is_installed_and_what_is_needed(monkeypatch):
     installed = {"torch": (2, 9, 1), "accelerate": (1, 15, 0)}
     monkeypatch.setattr(versions, "release", lambda package: installed[package])
     line = versions.problem("FSDP")
-    assert line.startswith("FSDP on this torch 2.9.1 needs torch >= 2.13 (") and "\n" not in line
+    assert line.startswith("FSDP on this torch 2.9.1 needs torch >= 2.11 (") and "\n" not in line
     assert "accelerate" not in line.split("(")[0]  # the release that suffices is not blamed
-    assert line.endswith("upgrade (torch >= 2.13), or run without FSDP (DDP: a config without distributed_type FSDP).")
-    installed.update(torch=(2, 13, 0), accelerate=(1, 12, 0))
-    assert versions.problem("FSDP").startswith("FSDP on this accelerate 1.12.0 needs accelerate >= 1.15 (")
+    assert line.endswith("upgrade (torch >= 2.11), or run without FSDP (DDP: a config without distributed_type FSDP).")
+    installed.update(torch=(2, 11, 0), accelerate=(1, 12, 0))
+    assert versions.problem("FSDP").startswith("FSDP on this accelerate 1.12.0 needs accelerate >= 1.14 (")
     installed.update(accelerate=(1, 15, 0))
     assert versions.problem("FSDP") is None
 
