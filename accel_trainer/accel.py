@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import (
     DataLoaderConfiguration,
     DDPCommunicationHookType,
@@ -20,7 +19,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
-from . import cpu_allocator, faults, precision, sharding
+from . import cpu_allocator, faults, precision, privates, sharding
 from .args import TrainingArguments, tracker_problem
 from .errors import UserError
 from .world import check_world, launched_world_size
@@ -77,9 +76,7 @@ def inductor_on_cpu(accelerator) -> dict | None:
     compiles = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
     if not compiles or accelerator.device.type != "cpu" or "TORCHINDUCTOR_CPP_WEIGHT_PREPACK" in os.environ:
         return None
-    import torch._inductor.config as inductor
-
-    inductor.cpp.weight_prepack = False
+    privates.inductor_config().cpp.weight_prepack = False
     return {"cpp.weight_prepack": False}
 
 
@@ -137,9 +134,8 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
 
     # Accelerate keeps its state in process-wide singletons: a second Trainer in the same notebook or test
     # process would silently inherit the first one's precision and compile settings. Start each from clean
-    # (the process group, in PartialState, stays). A private: Accelerate has no public way to start its state anew.
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
+    # (the process group, in PartialState, stays).
+    privates.reset_accelerate_state()
     nccl_error_handling()  # before the process group exists (Accelerator creates it)
     flight_recorder()
     accelerator = Accelerator(

@@ -31,6 +31,7 @@ import math
 import torch
 from accelerate.utils import DistributedType, find_batch_size, recursively_apply
 
+from . import privates
 from .errors import UserError
 from .throughput import peak_memory_mb
 
@@ -125,10 +126,9 @@ class MicroBatches:
         self.size = math.ceil(size / 2)
         if updater.ddp is not None:
             # The ranks that did not fail ran the last micro-batch's forward with gradient sync on: DDP then expects
-            # that backward, and would all-reduce in the next no_sync backward. _reset_state (private; torch's own
-            # DDP._update_process_group calls it) forgets the forward whose backward will not run, on every rank
-            # alike (it also lets DDP rebuild its buckets once more, a collective every rank then joins).
-            updater.ddp.reducer._reset_state()
+            # that backward, and would all-reduce in the next no_sync backward. Forgotten on every rank alike (it
+            # also lets DDP rebuild its buckets once more, a collective every rank then joins).
+            privates.ddp_forget_forward(updater.ddp)
             # DDP broadcasts its buffers in a window's first forward when the previous forward synced; a rank that
             # failed before its last forward ended holds another value than one that did not, so the redo's first
             # forward would broadcast on some ranks only. True on every rank: the broadcast a window starts with.

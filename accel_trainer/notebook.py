@@ -23,13 +23,13 @@ def notebook_launcher(function, args=(), num_processes: int | None = None, **kwa
     """`accelerate.notebook_launcher(function, args, num_processes, ...)`, callable after single-device Trainers
     were used in the same kernel. Each process runs `function(*args)`; build the Trainer inside it."""
     from accelerate import notebook_launcher as accelerate_notebook_launcher
-    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import get_current_device_type, is_cuda_available, patch_environment
+
+    from . import privates
 
     if num_processes is None or num_processes <= 1:
         return accelerate_notebook_launcher(function, args=args, num_processes=num_processes, **kwargs)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    privates.reset_accelerate_state(partial=True)
     # No accelerator: CPU processes (get_current_device_type falls back to "cuda" when it finds no other device).
     if get_current_device_type()[0] != "cuda" or is_cuda_available():
         return accelerate_notebook_launcher(function, args=args, num_processes=num_processes, **kwargs)

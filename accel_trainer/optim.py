@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from . import privates
 from .args import TrainingArguments
 
 
@@ -36,10 +37,7 @@ def fused_adamw_supported(params: list, device: torch.device) -> bool:
     per-tensor loop's 2.92 ms (torch picks that loop by default on a CPU, and foreach on a GPU). Decided by the
     training device, not by where the parameters are now: under FSDP's low-memory loading they are on the meta
     device on every rank but 0, and every rank must build the same optimizer."""
-    # A torch private: torch has no public way to ask which device types have fused optimizer kernels.
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    supported = torch.device(device).type in _get_fused_kernels_supported_devices()
+    supported = torch.device(device).type in privates.fused_optimizer_device_types()
     return supported and all(p.is_floating_point() for p in params)  # not complex ones
 
 

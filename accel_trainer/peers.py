@@ -14,6 +14,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 
+from . import privates
 from .errors import UserError
 from .faults import dead_ranks_phrase, restart_count
 
@@ -246,14 +247,11 @@ class StackDumps:
 def _last_collectives(n: int = 5) -> str:
     """The last `n` collectives this rank entered, from torch's Flight Recorder (on when TORCH_FR_BUFFER_SIZE > 0,
     which accel.flight_recorder sets), newest last: "last collective: #12 gloo:all_reduce (default_pg) ended".
-    `_dump_fr_trace_json` is private: torch has no public way to read its recorder from Python (the public
-    dump-on-timeout file is written by the NCCL watchdog only); a torch without it gives nothing here."""
+    Read through privates.flight_recorder_json (torch has no public reader); a torch without it gives nothing."""
     try:
         import json
 
-        import torch._C._distributed_c10d as c10d
-
-        entries = json.loads(c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)).get("entries", [])
+        entries = json.loads(privates.flight_recorder_json()).get("entries", [])
     except Exception:  # noqa: BLE001 - best effort
         return ""
     lines = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import privates
 from .errors import UserError
 
 # CPU instruction sets with bf16 arithmetic, as torch.cpu.get_capabilities() names them: x86 AVX512-BF16 (Cooper
@@ -35,7 +36,7 @@ def has_fast_bf16(device) -> bool:
     if kind == "cpu":
         capabilities = torch.cpu.get_capabilities()
         native = any(capabilities.get(name, False) for name in CPU_BF16_INSTRUCTIONS)
-        return native and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # and oneDNN (convs, matmuls) uses it
+        return native and privates.mkldnn_bf16_supported()  # and oneDNN (convs, matmuls) uses it
     return False
 
 

@@ -32,8 +32,9 @@ from __future__ import annotations
 import os
 
 import torch
-from accelerate.state import PartialState
 from accelerate.utils import DistributedType
+
+from . import privates, versions
 
 # The seam keeps its names: the Trainer, bench/memory.py and docs/sharding.md call sharding.save_full_model etc.
 from .shards import (  # noqa: F401
@@ -135,6 +136,9 @@ def fsdp_plugin(mixed_precision: str | None = None, reduce_dtype: str | None = N
     fsdp_plugin=...)` and then to `activate_fsdp`: Accelerate keeps no reference to a plugin it built itself."""
     if not fsdp_requested():
         return None
+    too_old = versions.problem("FSDP")  # before Accelerate builds anything from the FSDP config
+    if too_old:
+        raise ShardingError(too_old)
     from accelerate import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()
@@ -205,11 +209,11 @@ def activate_fsdp(accelerator, plugin) -> None:
     # What AcceleratorState.__init__ does for FSDP on accelerator devices (accelerate/state.py, 1.15), including
     # the copy into PartialState: every later AcceleratorState() (the optimizer wrapper makes one) re-reads
     # PartialState's distributed_type into the shared state, which would turn it back into MULTI_CPU.
-    if state._mixed_precision != "no":
-        plugin.set_mixed_precision(state._mixed_precision)
+    if privates.state_mixed_precision(state) != "no":
+        plugin.set_mixed_precision(privates.state_mixed_precision(state))
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    privates.mark_partial_state_fsdp()
 
 
 # ------------------------------------------------------------------------------------------------------ wrapping
@@ -355,7 +359,7 @@ def _replicate_buffers(model, optimizer) -> bool:
         for group in by_kind.values():
             flat = torch.cat([b.reshape(-1) for b in group])
             dist.broadcast(flat, src=0)
-            torch._foreach_copy_(group, [v.view_as(b) for v, b in zip(flat.split([b.numel() for b in group]), group)])
+            privates.foreach_copy_(group, [v.view_as(b) for v, b in zip(flat.split([b.numel() for b in group]), group)])
 
     getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(broadcast_from_rank0)
     return True
@@ -394,10 +398,9 @@ def _batchnorms_in_fp32(accelerator, plugin, model, optimizer) -> int:
     wants anyway. Returns the number of such units. Before accelerator.prepare, so that the optimizer is given
     the sharded parameters here (prepare maps the optimizer's parameters by identity)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.nn.modules.batchnorm import _BatchNorm
 
     low = getattr(plugin.mixed_precision_policy, "param_dtype", None)
-    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    norms = [m for m in model.modules() if isinstance(m, privates.batchnorm_base())]
     if not norms or low in (None, torch.float32):
         return 0
     owner = {id(p): (m, name) for m in norms for name, p in m.named_parameters(recurse=False)}

@@ -10,6 +10,7 @@ import os
 import torch
 from accelerate.utils import DistributedType
 
+from . import privates
 from .checkpointing.folder import write_file_atomically
 from .errors import UserError
 
@@ -19,7 +20,7 @@ class ShardingError(UserError):
 
 
 def _fsdp_root(model):
-    return getattr(model, "_orig_mod", model)  # torch.compile wraps the FSDP module
+    return privates.uncompiled(model)  # torch.compile wraps the FSDP module
 
 
 def assert_sharded(accelerator, model) -> dict:
@@ -51,7 +52,7 @@ def assert_sharded(accelerator, model) -> dict:
         local += p.to_local().numel()
         local_bytes += p.to_local().numel() * p.element_size()
     fsdp_modules = sum(isinstance(m, FSDPModule) for m in root.modules())
-    policy = root._get_fsdp_state()._mp_policy  # what fully_shard applied (torch keeps it on the module's state)
+    policy = privates.fsdp_mixed_precision_policy(root)  # what fully_shard applied
     return {
         "sharded": "fsdp2",
         "world_size": world,

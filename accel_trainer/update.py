@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import DistributedType, find_batch_size
 
+from . import privates
 from .micro_batch import Agreed, MicroBatches
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
@@ -74,7 +75,7 @@ class Updater:
         self.micro = MicroBatches(args, accelerator, say)  # --auto_micro_batch (micro_batch.py)
         # The DDP wrapper, if any (--torch_compile: Accelerate compiles the DDP-wrapped model); None without one
         # (FSDP, one process, or no trainable parameters: nothing is communicated).
-        ddp = getattr(model, "_orig_mod", model)
+        ddp = privates.uncompiled(model)
         self.ddp = ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else None
         self.reference = None  # K: the previous update's items per rank (a tensor; None: not known yet)
         self.grad_norm = None
@@ -263,7 +264,7 @@ class Updater:
             return
         grads = [q.grad for q in self.params if q.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, factor)
+            privates.foreach_mul_(grads, factor)
 
     def _to_mean(self, n, world_size: int):
         """Scale the window's summed-loss gradients so far by world_size / n, and return that factor for the last
@@ -276,7 +277,7 @@ class Updater:
         scale = world_size / n.clamp(min=1)
         grads = [q.grad for q in self.params if q.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, scale)
+            privates.foreach_mul_(grads, scale)
         return scale
 
     def _backward(self, loss):
@@ -298,12 +299,12 @@ class Updater:
             return True
         # The scale only drops when an inf/nan gradient skipped the step: compared on the device, one host read
         # (the scheduler and the EMA must know). get_scale() before and after was two host syncs per update;
-        # _get_scale_async (private, GradScaler's own read of its scale tensor) is that tensor without the read.
-        scale = scaler._get_scale_async()
+        # privates.scaler_scale is that tensor without the read.
+        scale = privates.scaler_scale(scaler)
         scale = None if scale is None else scale.clone()  # None: a disabled scaler, which steps as given
         scaler.step(self.inner_opt)
         scaler.update()
-        return scale is None or bool(scaler._get_scale_async() >= scale)
+        return scale is None or bool(privates.scaler_scale(scaler) >= scale)
 
 
 def _device_scalar(value, device) -> torch.Tensor:

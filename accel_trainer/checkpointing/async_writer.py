@@ -40,6 +40,7 @@ from types import SimpleNamespace
 
 from accelerate.utils import DistributedType
 
+from .. import privates
 from ..errors import UserError
 
 
@@ -244,18 +245,10 @@ def _prepared(acc) -> SimpleNamespace:
     if acc.distributed_type == DistributedType.FSDP:
         # The state-dict options save_fsdp_model/save_fsdp_optimizer derive from the FSDP plugin (full or sharded,
         # CPU offload): a private helper of accelerate.utils.fsdp_utils, the only statement of those rules.
-        from accelerate.utils.fsdp_utils import _prepare_sd_options
-
-        fsdp_options = _prepare_sd_options(acc.state.fsdp_plugin)
-    return SimpleNamespace(
-        models=acc._models,  # prepare()d models: model.safetensors, model_1.safetensors, ...
-        optimizers=acc._optimizers,  # prepare()d optimizers: optimizer.bin, optimizer_1.bin, ...
-        schedulers=acc._schedulers,  # scheduler.bin ...
-        dataloaders=acc._dataloaders,  # their samplers' positions
-        custom_objects=acc._custom_objects,  # register_for_checkpointing: custom_checkpoint_<i>.pkl
-        save_hooks=list(acc._save_model_state_pre_hook.values()),  # register_save_state_pre_hook's hooks
-        fsdp_options=fsdp_options,
-    )
+        fsdp_options = privates.fsdp_state_dict_options(acc.state.fsdp_plugin)
+    # models: model.safetensors, model_1.safetensors, ...; optimizers: optimizer.bin, ...; schedulers:
+    # scheduler.bin, ...; dataloaders: their samplers' positions; custom_objects: custom_checkpoint_<i>.pkl
+    return SimpleNamespace(**privates.prepared(acc), fsdp_options=fsdp_options)
 
 
 def _one_line(error: BaseException, tmp: str) -> CheckpointWriteError:

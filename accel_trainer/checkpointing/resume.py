@@ -12,6 +12,7 @@ import sys
 from safetensors import safe_open
 from safetensors.torch import load_model
 
+from .. import privates
 from ..faults import restart_count
 from .folder import (
     EMA_FILE,
@@ -298,14 +299,14 @@ def load_sharded_into_unsharded(accelerator, path: str, model, optimizer):
     from accelerate.checkpointing import load_accelerator_state
 
     load_resharded(path, model, optimizer)
-    # Accelerate's private lists of prepared schedulers and data loaders, as load_state passes them: no public API
-    # lists them (async_writer._prepared reads the same for the save).
+    # Accelerate's lists of prepared schedulers and data loaders, as load_state passes them (privates.prepared).
+    held = privates.prepared(accelerator)
     load_accelerator_state(
         path,
         [],
         [],
-        accelerator._schedulers,
-        accelerator._dataloaders,
+        held["schedulers"],
+        held["dataloaders"],
         accelerator.process_index,
         accelerator.scaler,
         "cpu",

@@ -18,6 +18,7 @@ import stat
 
 from safetensors import safe_open
 
+from .. import privates
 from .folder import MANIFEST_FILE, STATE_FILE, CheckpointError, hash_file, read_state
 
 _PICKLED = (".bin", ".pkl", ".pt", ".pth")  # what accelerate.load_state reads with torch.load
@@ -300,7 +301,6 @@ def _well_formed_dcp(meta) -> bool:
     """The fields DCP and this module read, present and of their types: an allowed class can still be built
     without its fields (pickle sets __dict__ to anything), which would fail later as an AttributeError."""
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo  # what FileSystemReader's metadata holds
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         Metadata,
@@ -316,7 +316,11 @@ def _well_formed_dcp(meta) -> bool:
         return isinstance(name, str) and isinstance(v, BytesStorageMetadata)
 
     def stored(index, info) -> bool:  # storage_data: where an item's bytes are
-        ok = isinstance(index, MetadataIndex) and isinstance(index.fqn, str) and isinstance(info, _StorageInfo)
+        ok = (
+            isinstance(index, MetadataIndex)
+            and isinstance(index.fqn, str)
+            and isinstance(info, privates.dcp_storage_info_class())
+        )
         return ok and isinstance(info.relative_path, str) and type(info.offset) is int and type(info.length) is int
 
     try:

@@ -1,0 +1,154 @@
+"""Every use the package makes of an Accelerate or torch private, in one place, each with why no public API does it.
+
+A release may rename or remove any of these without notice; tests/test_privates.py checks each one exists with the
+kind used here (one case per use, named after it), so such a release fails a test that names the use rather than a
+run deep inside a save or a resume. Nothing here is imported at package import: each function imports what it needs.
+"""
+
+# ------------------------------------------------------------------------------------------------ Accelerate
+
+
+def reset_accelerate_state(*, partial: bool = False) -> None:
+    """Start Accelerate's process-wide singletons anew (AcceleratorState, GradientState; PartialState too when
+    `partial`). Why private: Accelerate has no public way to do it, and a second Trainer in the same notebook or test
+    process would otherwise inherit the first one's precision, compile and accumulation settings."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=partial)
+    GradientState._reset_state()
+
+
+def state_mixed_precision(state) -> str:
+    """The mixed precision AcceleratorState resolved ("no", "fp16", "bf16", "fp8"). Why private: the public
+    `mixed_precision` property answers "fp8" only after its own fp8 checks; AcceleratorState.__init__ itself hands
+    `_mixed_precision` to the FSDP plugin, and sharding.activate_fsdp repeats that step."""
+    return state._mixed_precision
+
+
+def mark_partial_state_fsdp() -> None:
+    """Record FSDP as the distributed type in PartialState's shared state, as AcceleratorState.__init__ does for FSDP
+    on accelerator devices. Why private: every later AcceleratorState() (the optimizer wrapper makes one) re-reads
+    PartialState's distributed_type, and PartialState has no public setter; without it FSDP on CPU turns back into
+    MULTI_CPU."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def prepared(acc) -> dict:
+    """What Accelerate's save_state/load_state read from the Accelerator: the prepare()d models, optimizers,
+    schedulers and data loaders, register_for_checkpointing's objects and register_save_state_pre_hook's hooks.
+    Why private: the Accelerator keeps them in private lists and no public API lists them; save_state, the public
+    way, writes everything at once (it cannot write the small files now and the weights later from a copy), and
+    load_state needs model.safetensors/optimizer.bin (it cannot load a sharded checkpoint into a run without FSDP)."""
+    return {
+        "models": acc._models,
+        "optimizers": acc._optimizers,
+        "schedulers": acc._schedulers,
+        "dataloaders": acc._dataloaders,
+        "custom_objects": acc._custom_objects,
+        "save_hooks": list(acc._save_model_state_pre_hook.values()),
+    }
+
+
+def fsdp_state_dict_options(plugin):
+    """The state-dict options (full or sharded, CPU offload) that save_fsdp_model/save_fsdp_optimizer derive from
+    the FSDP plugin. Why private: accelerate.utils.fsdp_utils._prepare_sd_options is the only statement of those
+    rules; the public savers apply it inside and write at once."""
+    from accelerate.utils.fsdp_utils import _prepare_sd_options
+
+    return _prepare_sd_options(plugin)
+
+
+# ------------------------------------------------------------------------------------------------------- torch
+
+
+def uncompiled(model):
+    """The module torch.compile wrapped (OptimizedModule._orig_mod), or `model` itself when it is not compiled.
+    Why private: torch has no public accessor for a compiled module's original; Accelerate's own
+    extract_model_from_parallel reads `_orig_mod` too, but also unwraps DDP/FSDP, which the callers need kept."""
+    return getattr(model, "_orig_mod", model)
+
+
+def fsdp_mixed_precision_policy(module):
+    """The MixedPrecisionPolicy fully_shard applied to `module` (an FSDPModule). Why private: torch keeps it on the
+    module's private FSDP state only (`_get_fsdp_state()._mp_policy`); no public getter exists."""
+    return module._get_fsdp_state()._mp_policy
+
+
+def scaler_scale(scaler):
+    """GradScaler's scale tensor without a host read (None for a disabled scaler). Why private: the public
+    get_scale() reads it to the host (a sync per call); `_get_scale_async` is GradScaler's own tensor read."""
+    return scaler._get_scale_async()
+
+
+def foreach_mul_(tensors, factor) -> None:
+    """Multiply a list of tensors in place by one factor, in one kernel launch per group. Why private: torch's
+    foreach ops are only exposed as `torch._foreach_*` (documented, in beta); a Python loop is one launch each."""
+    import torch
+
+    torch._foreach_mul_(tensors, factor)
+
+
+def foreach_copy_(tensors, sources) -> None:
+    """Copy a list of tensors into another in place, in one kernel launch per group (see foreach_mul_)."""
+    import torch
+
+    torch._foreach_copy_(tensors, sources)
+
+
+def fused_optimizer_device_types() -> list:
+    """The device types that have fused optimizer kernels. Why private: torch has no public way to ask
+    (torch.utils._foreach_utils._get_fused_kernels_supported_devices is what torch.optim checks itself)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
+
+
+def mkldnn_bf16_supported() -> bool:
+    """Whether oneDNN (convs, matmuls on a CPU) runs bf16 natively. Why private: torch.backends.mkldnn has no public
+    bf16 query; torch.ops.mkldnn._is_mkldnn_bf16_supported is what torch's own tests use."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def inductor_config():
+    """torch._inductor.config, the module holding inductor's settings. Why private: inductor's settings live there
+    only; torch.compile(options=...) cannot reach a compile Accelerate's prepare() starts."""
+    import torch._inductor.config as inductor
+
+    return inductor
+
+
+def batchnorm_base():
+    """torch.nn.modules.batchnorm._BatchNorm, the base of BatchNorm1d/2d/3d and SyncBatchNorm. Why private: torch
+    has no public base class for them (listing the four would miss LazyBatchNorm* and subclasses)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm
+
+
+def dcp_storage_info_class():
+    """torch.distributed.checkpoint.filesystem._StorageInfo: what a DCP checkpoint's metadata maps each chunk to
+    (checkpointing/verify.py checks the unpickled metadata holds it, and its allow-list of classes names it). Why
+    private: FileSystemReader's metadata holds this class, which torch does not export."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def flight_recorder_json() -> str:
+    """torch's Flight Recorder (the last collectives of this rank) as JSON. Why private: torch has no public way to
+    read its recorder from Python (the public dump-on-timeout file is written by the NCCL watchdog only)."""
+    import torch._C._distributed_c10d as c10d
+
+    return c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+
+
+def ddp_forget_forward(ddp) -> None:
+    """Make a DistributedDataParallel forget a forward whose backward will not run (micro_batch.py: the ranks that
+    did not run out of memory ran it with gradient sync on, and the update is redone). Why private: the reducer's
+    `_reset_state` is what torch's own DDP._update_process_group calls; DDP has no public reset."""
+    ddp.reducer._reset_state()
