@@ -32,9 +32,9 @@ import os
 import random
 
 import torch
-from accelerate.utils import find_batch_size
+from accelerate.utils import DistributedType, find_batch_size
 
-from . import evaluation
+from . import evaluation, privates
 from .recipe import RecipeError
 
 OPT_OUT = "ACCEL_TRAINER_RECIPE_CHECK"
@@ -104,7 +104,10 @@ def _check_hooks(trainer, batch) -> str | None:
     # forward at the train batch size are graphs the run never uses, each compiled for the check alone (seen on an
     # H100: 2 of the CIFAR run's recompiles, ~10 s each). The outputs' types and shapes are the same.
     recipe = trainer.recipe
-    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    # Not under FSDP: there the module under the compile wrapper ran without gathering its shards ("got mixed
+    # torch.Tensor and DTensor", seen with Accelerate 1.15), so a sharded run checks through the compiled one.
+    sharded = trainer.accelerator.distributed_type == DistributedType.FSDP
+    model = trainer.model if sharded else privates.uncompiled(trainer.model)
     user_loss = getattr(recipe.loss, "__wrapped__", recipe.loss)
     was_training = model.training
     with _unchanged(model, trainer.accelerator.device), torch.no_grad():
