@@ -54,3 +54,36 @@ def test_compiled_cifarnet_trains_on_a_cpu_like_eager(tmp_path):
     assert setting == {"cpp.weight_prepack": False} and no_setting is None
     assert len(compiled) == 2
     assert all(abs(a - b) < 1e-4 for a, b in zip(compiled, eager)), (compiled, eager)  # fp32: rounding apart
+
+
+# The recipe check (preflight.py) runs its forward passes on the eager module: through the compiled one, its
+# train-mode forward under no_grad would be a graph of its own, and the first real update a recompile (on an H100:
+# 2 of the CIFAR run's recompiles, ~10 s each). 2 updates of one shape, with no evaluation, need the one graph the
+# training forward compiles; TORCH_LOGS=recompiles (torch's documented log) names every recompile.
+ONE_GRAPH = """
+import sys, torch
+from torch.utils.data import TensorDataset
+from accel_trainer import Recipe, Trainer, TrainingArguments
+
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+
+def loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y), len(y)
+
+recipe = Recipe(name="compiled_mlp", build_data=lambda ctx: {"train": data}, loss=loss,
+                build_model=lambda ctx: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+args = TrainingArguments(output_dir=sys.argv[1], torch_compile=True, use_cpu=True, per_device_train_batch_size=16,
+                         max_steps=2, save_steps=0, logging_steps=1, disable_tqdm=True, mixed_precision="no")
+Trainer(recipe, args, quiet=True).fit()
+"""
+
+
+def test_the_recipe_check_adds_no_graph_to_a_compiled_run(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_GRAPH, str(tmp_path / "out")],
+        capture_output=True, text=True, env={**env(), "TORCH_LOGS": "recompiles"}, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Recompiling function" not in proc.stderr, proc.stderr[-3000:]
