@@ -166,11 +166,12 @@ class Trainer:
         if args.profile_steps:
             self._attach_profiler()
 
+        if resume_path:
+            self.checkpoints.resume(resume_path)
+        # After the resume: a checkpoint this run cannot continue leaves the record of the run that wrote it.
         self.reporter.write_run_config(os.path.join(args.output_dir, "run_config.json"), build.run_config(self))
         if args.trackers:
             acc.init_trackers(args.run_name or self.recipe.name, config=flat_config(args, self.recipe_args))
-        if resume_path:
-            self.checkpoints.resume(resume_path)
         self.reporter.print(start_line(self.reporter.run_config, args.output_dir, resume_path))
 
     @classmethod

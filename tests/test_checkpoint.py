@@ -132,6 +132,8 @@ def test_pickle_that_runs_code_is_refused_and_not_run(trained, tmp_path, victim)
 
 
 def test_other_model_shape_is_refused_naming_tensor(trained):
+    # ... and nothing of the run that wrote the checkpoint is overwritten: its run_config.json stays its record
+    record = (trained / "run_config.json").read_bytes()
     with pytest.raises(
         CheckpointError,
         match=r"model\.safetensors does not fit this model \(0\.weight: \(32, 16\) "
@@ -144,6 +146,7 @@ def test_other_model_shape_is_refused_naming_tensor(trained):
             max_steps=16,
             resume_from_checkpoint=str(trained / "checkpoints" / "step_8"),
         )
+    assert (trained / "run_config.json").read_bytes() == record
 
 
 def test_another_global_batch_is_refused(trained, tmp_path):
