@@ -25,7 +25,9 @@ def is_collective(name: str) -> bool:
 
 class UpdateProfiler:
     def __init__(self, trainer):
-        self.trainer = trainer
+        # Not the Trainer itself: it holds this profiler through its events, and a reference back would keep a
+        # dropped Trainer (its model and data) alive until Python's next full garbage collection.
+        self.say = trainer.reporter.print
         self.first, self.last = trainer.args.profile_range
         self.folder = os.path.join(trainer.args.output_dir, "profile")
         self.rank = trainer.accelerator.process_index
@@ -33,14 +35,14 @@ class UpdateProfiler:
         self.summary: dict | None = None
 
     def attach(self, events):
-        events.on("fit_start", lambda trainer: self.start())
+        events.on("fit_start", lambda trainer: self.start(trainer.global_step))
         events.on("update_end", lambda trainer: self.prof.step() if self.prof is not None else None)
         events.on("fit_end", lambda trainer, metrics: self.stop())
 
-    def start(self):
-        done = self.trainer.global_step  # a resumed run: the next update is done + 1
+    def start(self, done: int):
+        # done: the updates done so far; a resumed run's next update is done + 1
         if self.last <= done:
-            self.trainer.reporter.print(f"--profile_steps {self.first}-{self.last}: already past step {done}.")
+            self.say(f"--profile_steps {self.first}-{self.last}: already past step {done}.")
             return
         active_from = max(self.first - 1 - done, 0)  # index of the first profiled update among those to come
         warmup = 1 if active_from >= 1 else 0  # one unrecorded profiled step first, as torch recommends
@@ -62,6 +64,9 @@ class UpdateProfiler:
     def stop(self):
         if self.prof is not None:
             self.prof.stop()
+            # torch's profile object sits in reference cycles of its own, freed only by a full garbage collection:
+            # its callback must not keep this run (the reporter, hence the Accelerator and the model) alive with it.
+            self.prof.on_trace_ready = None
             self.prof = None
 
     def _ready(self, prof):
@@ -85,4 +90,4 @@ class UpdateProfiler:
         )
         with open(os.path.join(self.folder, f"summary_rank{self.rank}.txt"), "w") as f:
             f.write(text)
-        self.trainer.reporter.print(text + f"\nTraces: {self.folder}")
+        self.say(text + f"\nTraces: {self.folder}")

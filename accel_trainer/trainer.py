@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -156,10 +157,14 @@ class Trainer:
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
             preemption=self.preemption, say=self.reporter.print,
         )  # fmt: skip
+        # The manager calls back into the Trainer (its events; a log row before each save) through a weak reference:
+        # a reference cycle would keep a dropped Trainer's model, optimizer and data (on a GPU, their memory) alive
+        # until Python's next full garbage collection, under the next Trainer of a notebook or a seed sweep.
+        me = weakref.ref(self)
         self.checkpoints = CheckpointManager(
             acc, args, state=[self.progress, self.data, self.updater], data=self.data, model=self.model,
             optimizer=self.optimizer, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
-            fire=lambda event, *a: self.events.fire(event, self, *a), before_save=self.log,
+            fire=lambda event, *a: me().events.fire(event, me(), *a), before_save=lambda: me().log(),
             save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
             if self.sharded else None, tokenizer=self.tokenizer,
         )  # fmt: skip

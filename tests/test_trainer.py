@@ -277,3 +277,27 @@ def test_configure_and_every_builder_get_the_run_s_one_context_completed_as_set_
     assert seen["build_model"][1] is t.accelerator and seen["build_data"][1] is t.accelerator
     assert seen["build_scheduler"][2] == t.total_steps == 3 == t.ctx.num_training_steps
     assert t.ctx.targs is t.args and t.ctx.world_size == t.accelerator.num_processes == 1
+
+
+def test_a_dropped_trainer_frees_its_model_at_once(tmp_path):
+    """A notebook that builds a Trainer again, or a sweep of seeds, drops the last one: its model, optimizer and
+    data (on a GPU, their memory) must go then, not at Python's next full garbage collection, which may come after
+    the next Trainer has built its own (an H100 sweep of 5 seeds grew from 1434 to 1832 MB). Reference counting
+    alone frees them when nothing points back at the Trainer: with checkpoints (written in the background), EMA,
+    the profiler, evaluation and metrics on, and the automatic collection off."""
+    import gc
+    import weakref
+
+    def train(name):
+        t = make(tmp_path, name, max_steps=4, save_steps=2, save_async=True, ema_decay=0.9, profile_steps="2-3")
+        t.fit()
+        return weakref.ref(t), weakref.ref(t.unwrapped_model), weakref.ref(t.optimizer)
+
+    train("warm")  # a process's first Trainer imports modules lazily, and an import can leave cycles of its own
+    gc.collect()
+    gc.disable()
+    try:
+        kept = [ref() is not None for ref in train("run")]
+    finally:
+        gc.enable()
+    assert kept == [False, False, False]  # the Trainer, its model and its optimizer
