@@ -19,7 +19,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
-from . import cpu_allocator, faults, precision, privates, sharding
+from . import cpu_allocator, faults, precision, privates, sharding, versions
 from .args import TrainingArguments, tracker_problem
 from .errors import UserError
 from .world import check_world, launched_world_size
@@ -116,6 +116,8 @@ def process_group_kwargs(timeout_s: float):
 
 def build_accelerator(args: TrainingArguments) -> Accelerator:
     problem = tracker_problem(args.trackers)  # before anything is written: a run that would log nowhere
+    if not problem and args.save_async:  # before hours of training, not at the first checkpoint
+        problem = versions.problem("--save_async")
     if problem:
         raise UserError(problem)
     # On a machine without CUDA, Accelerate only forms a multi-process (gloo) world when told cpu=True;

@@ -4,6 +4,8 @@ that have it, the same launch runs it. .ci/versions runs this file on the oldest
 oldest the FSDP launch below must be refused, on the newest it must shard (tests/test_sharding.py then checks FSDP
 itself, on the releases that run it)."""
 
+import sys
+
 from helpers import call, launcher, run_config
 
 from accel_trainer import versions
@@ -46,3 +48,30 @@ def test_release_reads_local_builds():
 
     # "2.13.0+cpu", "2.8.0+cu128": the local part is not a release number
     assert versions.release("torch")[:2] == tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def test_save_async_runs_or_is_refused_in_one_line_before_training(tmp_path):
+    # torch 2.8 (the oldest release .ci/versions runs) has no DefaultStager: before, the first checkpoint crashed
+    # with an ImportError traceback after the training before it
+    out = tmp_path / "run"
+    proc = call(
+        [sys.executable, "recipes/regression.py", "--output_dir", str(out), "--save_async", "--save_steps", "1"] + REG,
+        timeout=300,
+    )
+    needed = versions.problem("--save_async")
+    if needed is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (out / "checkpoints" / "step_2").is_dir()
+        return
+    assert proc.returncode == 1 and proc.stderr == f"error: {needed}\n", proc.stderr[-3000:]
+    assert not (out / "metrics.jsonl").exists()  # refused before the first update
+
+
+def test_the_save_async_refusal_names_the_release_it_needs(monkeypatch):
+    installed = {"torch": (2, 8, 0)}
+    monkeypatch.setattr(versions, "release", lambda package: installed[package])
+    line = versions.problem("--save_async")
+    assert line.startswith("--save_async on this torch 2.8.0 needs torch >= 2.9 (") and "\n" not in line
+    assert line.endswith("or drop --save_async (checkpoints are then written while training waits).")
+    installed.update(torch=(2, 9, 0))
+    assert versions.problem("--save_async") is None
