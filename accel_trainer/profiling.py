@@ -8,6 +8,7 @@ how to read them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -35,9 +36,17 @@ class UpdateProfiler:
         self.summary: dict | None = None
 
     def attach(self, events):
-        events.on("fit_start", lambda trainer: self.start(trainer.global_step))
         events.on("update_end", lambda trainer: self.prof.step() if self.prof is not None else None)
-        events.on("fit_end", lambda trainer, metrics: self.stop())
+
+    @contextlib.contextmanager
+    def running(self, done: int):
+        """Profiling while fit() trains: stopped on every way out, so a run that fails keeps the profile of the
+        updates it did (and no profiler is left running in the process)."""
+        self.start(done)
+        try:
+            yield
+        finally:
+            self.stop()
 
     def start(self, done: int):
         # done: the updates done so far; a resumed run's next update is done + 1

@@ -168,6 +168,7 @@ class Trainer:
             save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
             if self.sharded else None, tokenizer=self.tokenizer,
         )  # fmt: skip
+        self.profiler = None  # --profile_steps: torch's profiler over those updates (profiling.py)
         if args.profile_steps:
             self._attach_profiler()
 
@@ -223,7 +224,9 @@ class Trainer:
         peers_watched = peers.peer_failures(
             self.accelerator, self._diag_group, args.ddp_timeout, lambda: self.global_step, args.output_dir
         )
-        with self.checkpoints.guard(), self.preemption, peers_watched:
+        # the profiler, too, stops on every way out: a failed run keeps the profile of the updates it did
+        profiled = self.profiler.running(self.global_step) if self.profiler else contextlib.nullcontext()
+        with self.checkpoints.guard(), self.preemption, peers_watched, profiled:
             for window in preflight.checked(self, self.windows()):  # micro-batches of one update; the first checked
                 self.update(window)
                 self.events.fire("update_end", self)
