@@ -73,7 +73,8 @@ def hash_file(path: str, fsync: bool = True) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _fsync_dir(path: str):
+def fsync_path(path: str):
+    """A file's or a folder's contents (a folder's: its entries) to disk: open read-only, fsync."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -108,7 +109,7 @@ def write_manifest(folder: str, state: dict) -> dict:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(folder, MANIFEST_FILE))
-    _fsync_dir(folder)
+    fsync_path(folder)
     return manifest
 
 
@@ -267,7 +268,7 @@ def write_file_atomically(path: str, write, output_dir: str, what: str) -> str:
         finally:
             os.close(fd)
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
     return path
 
 
@@ -290,7 +291,7 @@ def _commit(root: str, tmp: str, final: str, step: int):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_path(root)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -321,7 +322,7 @@ def set_aside_newer(output_dir: str, step: int) -> tuple[list[str], str | None]:
     os.makedirs(aside, exist_ok=True)
     for path in newer:
         os.replace(path, os.path.join(aside, os.path.basename(path)))
-    _fsync_dir(checkpoints_root(output_dir))
+    fsync_path(checkpoints_root(output_dir))
     return newer, aside
 
 

@@ -17,7 +17,7 @@ import os
 import shutil
 
 from ..errors import UserError
-from .folder import _fsync_dir, disk_full_is_one_line
+from .folder import disk_full_is_one_line, fsync_path
 
 # output_dir entries that never go to the Hub: the run's checkpoints, best models, half-written files.
 NOT_PUSHED = ["checkpoints/*", "best/*", "best.previous-*/*", "*.tmp", "*.tmp/*", "error_after_training.txt"]
@@ -61,7 +61,7 @@ def write_folder(model, state_dict: dict, folder: str, output_dir: str, tokenize
             tokenizer.save_pretrained(tmp)
         written = sorted(os.listdir(tmp))
         for name in written:
-            _fsync_dir(os.path.join(tmp, name))  # any path: open read-only, fsync
+            fsync_path(os.path.join(tmp, name))
     # Weights of an earlier save that this one does not replace (sharded then, one file now) would be read as
     # this model's: removed first.
     for name in os.listdir(folder):
@@ -71,7 +71,7 @@ def write_folder(model, state_dict: dict, folder: str, output_dir: str, tokenize
     for name in sorted(written, key=lambda n: n.startswith("model")):
         os.replace(os.path.join(tmp, name), os.path.join(folder, name))
     os.rmdir(tmp)
-    _fsync_dir(folder)
+    fsync_path(folder)
     return folder
 
 
