@@ -59,6 +59,11 @@ def one_run(recipe, recipe_argv, seed, target, out_root):
     argv = recipe_argv + ["--seed", str(seed), "--output_dir", out, "--overwrite_output_dir", "--disable_tqdm"]
     resolved = resolve_args(recipe, argv)  # the same resolution as `python recipes/cifar.py ...`
     sync()
+    # What the process still holds on the GPU before this run's Trainer is built: the runs before it were dropped,
+    # so near what the first run found (the CUDA context's own is not counted). And each run's peak its own.
+    held = torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     t_wall = time.perf_counter()
     trainer = Trainer(recipe, resolved, quiet=True)
 
@@ -103,6 +108,7 @@ def one_run(recipe, recipe_argv, seed, target, out_root):
         "images_per_s": n_images / train_s,
         "wall_s": end - t_wall,
         "peak_memory_mb": peak_memory_mb(trainer),
+        "held_before_mb": held,
         "curve": [(round(t, 2), e, a) for t, e, a in curve],
         "is_main": trainer.accelerator.is_main_process,
     }
@@ -150,7 +156,8 @@ def main():
             hit = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}s"
             print(
                 f"seed {seed}: acc {r['accuracy']:.4f}  tta {tta}  train {r['train_s']:.2f}s  to {target:.2%}: {hit}  "
-                f"{r['images_per_s']:.0f} img/s  wall {r['wall_s']:.1f}s  peak {r['peak_memory_mb']:.0f} MB",
+                f"{r['images_per_s']:.0f} img/s  wall {r['wall_s']:.1f}s  peak {r['peak_memory_mb']:.0f} MB"
+                + ("" if r["held_before_mb"] is None else f" (held before {r['held_before_mb']:.0f} MB)"),
                 flush=True,
             )
             print(

@@ -32,8 +32,14 @@ Checks (rows), GPU mode / CPU reduced mode:
   overhead        bench/overhead.py on the GPU, 3 rounds x 600 steps: ms per update of the Trainer vs a hand-written
                   loop and bare Accelerate, like for like (the same MLP 256-512-512-10, batch 64, data path and
                   AdamW, no clipping); goal trainer <= 1.02x plain. CPU: bench/overhead.py --cpu, 1 round x 100.
+  auto_micro_batch  recipes/regression.py as a wide MLP (activations grow with the micro-batch): a run at micro-batch
+                  2048 x 8 accumulated; then micro-batch 16384 with the process's GPU memory capped at 1.5x that
+                  run's peak (torch.cuda.set_per_process_memory_fraction, a real CUDA out of memory): without
+                  --auto_micro_batch one line and a non-zero exit, with it three halvings to 2048 and the weights of
+                  the run started there. CPU: skipped (tests/test_micro_batch.py raises the error on CPUs).
   peak_memory     the largest peak over the cifar_5_seeds runs (torch.cuda.max_memory_allocated; CPU: peak RSS),
-                  and the Trainer's own logged peak_memory_mb when present.
+                  each seed's, the Trainer's own logged peak_memory_mb when present, and (GPU) what the process
+                  held before each seed's Trainer: the goal, that a dropped Trainer freed its GPU memory.
 
 Every row gets a status: "ok", "failed: <one line>" (the log is under --out/logs/), or "skipped: <why>". With
 --budget, no command runs past the suite's deadline and the rows left when it passes are skipped: the table and the
@@ -59,7 +65,7 @@ import time
 import harness
 from harness import ROOT
 
-ROWS = ("cifar_5_seeds", "bf16", "fp16", "fp8", "torch_compile", "overhead", "peak_memory")
+ROWS = ("cifar_5_seeds", "bf16", "fp16", "fp8", "torch_compile", "overhead", "auto_micro_batch", "peak_memory")
 NEEDS_CUDA = "skipped: needs CUDA"
 TINY_CIFAR = ["--widths", "8,16,16", "--batch_size", "40", "--eval_batch_size", "30", "--num_train_epochs", "2"]
 
@@ -172,6 +178,11 @@ def cifar_metrics(runs: list[dict]) -> dict:
         "train_s_mean": mean(r["train_s"] for r in runs),
         "images_per_s_mean": mean(r["images_per_s"] for r in runs),
         "peak_memory_mb": max(r["peak_memory_mb"] for r in runs),
+        "peak_memory_mb_per_seed": [round(r["peak_memory_mb"]) for r in runs],
+        # GPU: what the process held before each seed's Trainer was built (the seeds before it dropped)
+        "held_before_mb_per_seed": [
+            None if r.get("held_before_mb") is None else round(r["held_before_mb"]) for r in runs
+        ],
         "steady_epoch_s_mean": mean(steady_epoch_s(r) for r in runs),
     }
 
@@ -413,14 +424,111 @@ def check_overhead(s: Suite) -> dict:
     }
 
 
+# A dropped Trainer's GPU memory is back when the next seed starts: what the process holds then may exceed what the
+# first seed found by the allocator's rounding and cuDNN/cuBLAS workspaces, not by a model, its optimizer and the
+# device-resident CIFAR (~1 GB: the H100 run of 2026-11-26 grew 1434 -> 1832 MB over 5 seeds before the fix).
+HELD_SLACK_MB = 64
+
+
 def check_peak_memory(s: Suite) -> dict:
     cifar = s.rows.get("cifar_5_seeds", {})
     if not cifar.get("status", "").startswith("ok"):
         raise CheckFailed("needs the cifar_5_seeds row, which did not run")
-    m = {k: cifar["metrics"][k] for k in ("peak_memory_mb", "logged_peak_memory_mb")}
+    keys = ("peak_memory_mb", "logged_peak_memory_mb", "peak_memory_mb_per_seed", "held_before_mb_per_seed")
+    m = {k: cifar["metrics"].get(k) for k in keys}
     kind = "GPU max allocated" if s.gpu else "CPU peak RSS"
     logged = f", Trainer logged {m['logged_peak_memory_mb']:.0f} MB" if m["logged_peak_memory_mb"] else ""
-    return {"metrics": m, "summary": f"{m['peak_memory_mb']:.0f} MB ({kind}){logged}"}
+    summary = f"{m['peak_memory_mb']:.0f} MB ({kind}){logged}; per seed {m['peak_memory_mb_per_seed']}"
+    held = [h for h in m["held_before_mb_per_seed"] or [] if h is not None]
+    if not held:  # CPU: RSS does not shrink when tensors are freed; tests/test_trainer.py checks the freeing there
+        return {"metrics": m, "summary": summary}
+    summary += f"; held before each seed {held} MB"
+    met = max(held) - held[0] <= HELD_SLACK_MB
+    goal = f"a dropped Trainer frees its GPU memory: held before each seed <= the first's + {HELD_SLACK_MB} MB"
+    return {"metrics": m, "summary": summary, "goal": goal, "met": met}
+
+
+# The auto_micro_batch row: the regression recipe's MLP made wide, so that an update's activations (~200 KB a
+# sample in fp32) dwarf its weights, and memory grows with the micro-batch. The reference run starts at SMALL; the
+# capped runs ask for BIG at the same global batch, with this process's memory capped at CAP x the reference's peak:
+# SMALL fits, 2 x SMALL does not, so --auto_micro_batch halves BIG down to SMALL.
+OOM_ARGS = ["--num_features", "16", "--hidden_size", "16384", "--num_train_samples", "65536",
+            "--num_eval_samples", "256", "--max_steps", "4", "--learning_rate", "1e-4", "--save_steps", "0",
+            "--logging_steps", "1",
+            "--seed", "0", "--disable_tqdm", "--overwrite_output_dir"]  # fmt: skip
+OOM_SMALL, OOM_BIG, OOM_CAP = 2048, 16384, 1.5
+CAP_MEMORY = "--cap_memory"  # bench/gpu.py --cap_memory MB SCRIPT ARGS...: see cap_memory()
+
+
+def cap_memory(argv: list[str]) -> None:
+    """`python SCRIPT ARGS` with this process's GPU memory capped at MB (argv: MB SCRIPT ARGS...), through torch's
+    per-process fraction: the caching allocator then raises a real CUDA out-of-memory error beyond it, as a
+    smaller GPU would."""
+    import runpy
+
+    import torch
+
+    mb, path = float(argv[0]), argv[1]
+    torch.cuda.set_per_process_memory_fraction(mb * 2**20 / torch.cuda.get_device_properties(0).total_memory)
+    sys.argv = [path, *argv[2:]]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def _weights(out: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out, "model.safetensors"))
+
+
+def check_auto_micro_batch(s: Suite) -> dict:
+    import torch
+
+    runs = {k: os.path.join(s.out, f"oom_{k}") for k in ("small", "refused", "halved")}
+    recipe = [sys.executable, "recipes/regression.py", *OOM_ARGS]
+    accumulation = OOM_BIG // OOM_SMALL
+    s.sh("oom_small", recipe + ["--output_dir", runs["small"], "--per_device_train_batch_size", str(OOM_SMALL),
+                                "--gradient_accumulation_steps", str(accumulation)])  # fmt: skip
+    peak = max(r["peak_memory_mb"] for r in read_rows(runs["small"]) if "peak_memory_mb" in r)
+    cap = [sys.executable, "bench/gpu.py", CAP_MEMORY, f"{OOM_CAP * peak:.0f}", "recipes/regression.py", *OOM_ARGS]
+    cap += ["--per_device_train_batch_size", str(OOM_BIG)]
+    try:
+        s.sh("oom_refused", cap + ["--output_dir", runs["refused"]])
+        fitted = True
+    except CheckFailed as e:  # the run stopped, as it should: its output is read below
+        if not str(e).startswith("exit"):
+            raise
+        fitted = False
+    if fitted:
+        raise CheckFailed(f"a micro-batch of {OOM_BIG} fitted under {OOM_CAP * peak:.0f} MB: no out of memory to test")
+    with open(os.path.join(s.logs, "oom_refused.log")) as f:
+        refused = f.read()
+    lines = [x for x in refused.splitlines()[1:] if x.strip()]
+    one_line = [x for x in lines if f"Out of memory in an update at a micro-batch of {OOM_BIG} samples" in x]
+    if not one_line or "Traceback" in refused or "--auto_micro_batch" not in one_line[0]:
+        raise CheckFailed(f"without the flag, not the one-line error (log: {s.logs}/oom_refused.log)")
+    text = s.sh("oom_halved", cap + ["--output_dir", runs["halved"], "--auto_micro_batch"])
+    halvings = [x for x in text.splitlines() if x.startswith("out of memory at micro-batch size")]
+    a, b = _weights(runs["halved"]), _weights(runs["small"])
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    m = {
+        "cap_mb": round(OOM_CAP * peak),
+        "small_peak_mb": round(peak),
+        "refused_line": one_line[0][:300],
+        "halvings": halvings,
+        "bit_identical": all(torch.equal(a[k], b[k]) for k in a),
+        "max_abs_diff": diff,
+        "losses_halved": [r["loss"] for r in read_rows(runs["halved"]) if "loss" in r],
+        "losses_small": [r["loss"] for r in read_rows(runs["small"]) if "loss" in r],
+    }
+    summary = (
+        f"capped at {m['cap_mb']} MB: without the flag one line; with it {len(halvings)} halvings "
+        f"{OOM_BIG} -> {OOM_SMALL}, weights vs a run started at {OOM_SMALL}: "
+        f"{'bit-identical' if m['bit_identical'] else f'max abs diff {diff:.2e}'}"
+    )
+    goal = f"a real CUDA out of memory halves {OOM_BIG} down to {OOM_SMALL} and gives the started-small run's weights"
+    met = len(halvings) == 3 and m["bit_identical"]
+    return {"metrics": m, "summary": summary, "goal": goal, "met": met}
 
 
 CHECKS = {
@@ -430,6 +538,7 @@ CHECKS = {
     "fp8": check_fp8,
     "torch_compile": check_compile,
     "overhead": check_overhead,
+    "auto_micro_batch": check_auto_micro_batch,
     "peak_memory": check_peak_memory,
 }
 
@@ -439,6 +548,8 @@ def skip_reason(s: Suite, name: str) -> str | None:
         return "skipped: --skip"
     if name == "peak_memory" and s.rows.get("cifar_5_seeds", {}).get("status", "").startswith("skipped"):
         return "skipped: needs the cifar_5_seeds row, which was skipped"
+    if not s.gpu and name == "auto_micro_batch":
+        return f"{NEEDS_CUDA} (a real CUDA out of memory; tests/test_micro_batch.py raises one on CPUs)"
     if not s.gpu and name == "fp16":
         return f"{NEEDS_CUDA} (Accelerate runs fp16 on a CPU as plain fp32: no autocast, no loss scaler)"
     if name == "fp8":
@@ -572,5 +683,7 @@ if __name__ == "__main__":
         count_graphs(sys.argv[2:])
     elif sys.argv[1:2] == [NAN_LOSS]:
         nan_loss(sys.argv[2:])
+    elif sys.argv[1:2] == [CAP_MEMORY]:
+        cap_memory(sys.argv[2:])
     else:
         sys.exit(main())

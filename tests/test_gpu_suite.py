@@ -47,7 +47,16 @@ def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
     report = json.loads((out / "suite.json").read_text())
     rows = {r["name"]: r for r in report["rows"]}
     assert report["mode"] == "cpu-reduced"
-    assert list(rows) == ["cifar_5_seeds", "bf16", "fp16", "fp8", "torch_compile", "overhead", "peak_memory"]
+    assert list(rows) == [
+        "cifar_5_seeds",
+        "bf16",
+        "fp16",
+        "fp8",
+        "torch_compile",
+        "overhead",
+        "auto_micro_batch",
+        "peak_memory",
+    ]
     for name, row in rows.items():
         assert row["status"] == "ok" or row["status"].startswith(("skipped: ", "failed: ")), (name, row)
         assert name in proc.stdout  # the printed table has the row too
@@ -55,6 +64,7 @@ def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
     assert rows["fp16"]["status"].startswith("skipped: needs CUDA")
     assert rows["fp8"]["status"].startswith("skipped: needs CUDA")
     assert rows["torch_compile"]["status"] == "skipped: --skip"
+    assert rows["auto_micro_batch"]["status"].startswith("skipped: needs CUDA")  # a real CUDA out of memory
     # what a CPU can run did run, with numbers from the real runs
     for name in ("cifar_5_seeds", "bf16", "overhead", "peak_memory"):
         assert rows[name]["status"] == "ok", (name, rows[name])
@@ -72,6 +82,7 @@ def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
     assert set(overhead["final_weights"].values()) == {"bit-identical"}, overhead["final_weights"]
     assert min(overhead["peak_memory_mb"].values()) > 0
     assert rows["peak_memory"]["metrics"]["peak_memory_mb"] > 0
+    assert len(rows["peak_memory"]["metrics"]["peak_memory_mb_per_seed"]) == 2  # each seed's own peak
     assert all(r.get("met") is None for r in rows.values())  # goals are judged on a GPU only
 
 
