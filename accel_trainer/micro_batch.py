@@ -184,6 +184,13 @@ class MicroBatches:
             )
 
 
+def first_samples(batch, size: int):
+    """The batch's first `size` samples (its tensors cut along dim 0), or the batch itself where it has no sample
+    count or not more than `size` samples."""
+    n = find_batch_size(batch)
+    return _cut(batch, n, 0, size) if n and n > size else batch
+
+
 def _cut(batch, n: int, start: int, size: int):
     """Samples [start, start + size) of a batch of n: every tensor whose first dimension is n, cut there; anything
     else (a 0-d tensor, a tensor of another length, a non-tensor) as it is."""

@@ -8,7 +8,8 @@ fails deep inside update.py.
 
 How: `checked(trainer, windows)` takes the first window the training loop would take anyway (nothing extra is read
 from the data, the loader's order is untouched) and, before handing it to the first update, runs the hooks on its
-first micro-batch: one forward of `loss` in train mode and one of `eval_step` in eval mode, both under no_grad, then
+first micro-batch as the update will run it (cut to the size --auto_micro_batch halved it to, in a resumed run):
+one forward of `loss` in train mode and one of `eval_step` in eval mode, both under no_grad, then
 each metric on a fresh `build_metrics(ctx)`. The RNG states (torch's, on the CPU and the accelerator, and Python's)
 and the model's buffers (batch-norm statistics move in a train-mode forward) are restored, so a run's numbers are
 bit-identical to a run without the check. A separate no_grad forward rather than checking inside the first update:
@@ -16,6 +17,11 @@ the update's path (DDP's hooks, the fast path) stays as it is, and an error is a
 rank starts a backward that the others would wait in. Cost: one forward and one eval forward, once. The outcome is
 agreed on by every rank (one gather, bounded by the process group's timeout, --ddp_timeout): a failure on any rank
 stops every rank with the failing rank's line.
+
+Out of memory in the check (seen on an H100: a forward's first activation alone did not fit, under no_grad too)
+is not the check's to report: the update reports it in its own line, or halves the micro-batch with
+--auto_micro_batch. The check then runs on the first half of its batch, then the first quarter, ..., since the
+hooks' contract shows on a few samples as well; on one sample that does not fit it is left to the update.
 
 `ACCEL_TRAINER_RECIPE_CHECK=0` skips the check (a run whose metric is known to fail, to keep its model).
 
@@ -28,13 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import random
 
 import torch
 from accelerate.utils import DistributedType, find_batch_size
 
-from . import evaluation, privates
+from . import evaluation, micro_batch, privates
 from .recipe import RecipeError
 
 OPT_OUT = "ACCEL_TRAINER_RECIPE_CHECK"
@@ -74,7 +81,8 @@ def checked(trainer, windows):
     if first is None:
         return
     if os.environ.get(OPT_OUT, "1") != "0" and first:
-        check(trainer, first[0])
+        micro = trainer.updater.micro
+        check(trainer, micro_batch.first_samples(first[0], micro.size) if micro.splits else first[0])
     yield first
     yield from windows
 
@@ -84,7 +92,7 @@ def check(trainer, batch) -> None:
     acc = trainer.accelerator
     problem, error, note = None, None, None
     try:
-        note = _check_hooks(trainer, batch)
+        note = _check_fitting(trainer, batch)
     except RecipeError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 -- a bug in the recipe's code: raised as it is, after the ranks agree
@@ -96,6 +104,21 @@ def check(trainer, batch) -> None:
         raise RecipeError(problem)
     if note:
         trainer.reporter.print(note)
+
+
+def _check_fitting(trainer, batch) -> str | None:
+    """_check_hooks on `batch`, or on its first half, quarter, ... where it runs out of memory (module docstring)."""
+    while True:
+        try:
+            return _check_hooks(trainer, batch)
+        except torch.OutOfMemoryError:
+            n = find_batch_size(batch)
+        # Out of the except block: the failed forward's frames (its activations) are released.
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if not n or n <= 1:
+            return None  # the update runs out of memory too, and says so in its own line
+        batch = micro_batch.first_samples(batch, math.ceil(n / 2))
 
 
 def _check_hooks(trainer, batch) -> str | None:

@@ -22,6 +22,9 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                oom_above=B[:R]  `loss` raises torch.OutOfMemoryError on a training batch of more
                                               than B samples (on rank R only, if given), as a forward would
                                oom_once=R:K   rank R's K-th `loss` call with gradients raises it, once
+                               forward_oom_above=B  `loss` in train mode raises it on a batch of more than B
+                                              samples also under no_grad, as a forward whose first activation
+                                              alone does not fit (seen on an H100): the first-batch check too
                                buffer=1       the model has a buffer (DDP broadcasts it in a window's first forward)
                                hold_save=N    the background write (--save_async) of step N holds before its
                                               commit until one of the three faults above has fired, then until
@@ -85,6 +88,9 @@ def loss(model, batch):
     if oom and torch.is_grad_enabled() and len(batch["x"]) > oom[0] and oom[1:] in ((), (_rank(),)):
         # Only with gradients on, as activations kept for the backward would: the first-batch check (no_grad) fits.
         raise torch.OutOfMemoryError(f"test fault: {len(batch['x'])} samples do not fit (oom_above={oom[0]})")
+    forward_oom = spec.get("forward_oom_above")
+    if forward_oom and model.training and len(batch["x"]) > forward_oom[0]:
+        raise torch.OutOfMemoryError(f"test fault: {len(batch['x'])} samples do not fit (forward_oom_above)")
     loss, n = regression.loss(model, batch)
     if _nan_now:
         _faulted.set()
@@ -129,7 +135,7 @@ def build_data(ctx):
 
 
 KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
-        "hold_save", "sleep_in_loss", "nan_sample", "store_delay", "oom_above", "oom_once", "buffer")  # fmt: skip
+        "hold_save", "sleep_in_loss", "nan_sample", "store_delay", "oom_above", "oom_once", "forward_oom_above", "buffer")  # fmt: skip
 
 
 def _faults(trainer) -> dict:

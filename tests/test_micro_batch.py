@@ -58,6 +58,21 @@ def test_out_of_memory_halves_the_micro_batch_and_gives_the_weights_of_a_run_sta
         torch.testing.assert_close(_losses(big), _losses(small), rtol=1e-6, atol=0)
 
 
+def test_out_of_memory_already_in_the_first_batch_check_halves_the_micro_batch_too(tmp_path):
+    """On an H100 a forward of the first loader batch ran out of memory in the recipe check (no_grad), which ended
+    the run with a traceback before --auto_micro_batch could act. The check now shrinks its own slice; the update
+    halves the micro-batch as usual: the weights of a run started small."""
+    big, small = tmp_path / "big", tmp_path / "small"
+    r = run(SCRIPT, ["--output_dir", big, "--faults", "forward_oom_above=4", "--auto_micro_batch", "--save_steps", 0,
+                     *COMMON] + flags(per_device_train_batch_size=8, gradient_accumulation_steps=2), timeout=240)  # fmt: skip
+    assert "out of memory at micro-batch size 8 (rank 0: peak " in r.stdout, r.stdout + r.stderr
+    assert "halves it to 4 and accumulates 4 micro-batches per update (was 2)" in r.stdout
+    run(SCRIPT, ["--output_dir", small, "--save_steps", 0, *COMMON]
+        + flags(per_device_train_batch_size=4, gradient_accumulation_steps=4), timeout=240)  # fmt: skip
+    a, b = weights(big), weights(small)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_one_rank_out_of_memory_in_its_last_micro_batch_redoes_the_update_with_buffers_in_step(tmp_path):
     """Rank 1 of 2 runs out in the window's last micro-batch (the one DDP syncs) of update 1, once; rank 0 had run
     that forward. The model has a buffer, which DDP broadcasts in a window's first forward: the redo must start
@@ -91,14 +106,15 @@ def test_a_resume_after_a_halving_keeps_the_halved_size(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_out_of_memory_without_the_flag_is_one_line_naming_the_micro_batch_peak_and_flag(tmp_path):
-    r = run(SCRIPT, ["--output_dir", tmp_path / "run", "--faults", "oom_above=4", *COMMON]
+@pytest.mark.parametrize("fault", ["oom_above", "forward_oom_above"])  # in the update; already in the first check
+def test_out_of_memory_without_the_flag_is_one_line_naming_the_micro_batch_peak_and_flag(tmp_path, fault):
+    r = run(SCRIPT, ["--output_dir", tmp_path / "run", "--faults", f"{fault}=4", *COMMON]
             + flags(per_device_train_batch_size=8), check=False, timeout=240)  # fmt: skip
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert r.returncode == 1 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     line = errors[0]
     assert line.startswith("error: Out of memory in an update at a micro-batch of 8 samples (rank 0, peak "), line
-    assert " MiB on cpu): test fault: 8 samples do not fit" in line and "Pass --auto_micro_batch" in line, line
+    assert f" MiB on cpu): test fault: 8 samples do not fit ({fault}" in line and "Pass --auto_micro_batch" in line
 
 
 def test_out_of_memory_at_one_sample_stops_in_one_line(tmp_path):
