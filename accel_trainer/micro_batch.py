@@ -202,4 +202,10 @@ def _cut(batch, n: int, start: int, size: int):
 
 
 def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200].rstrip(".")
+    """The error's first line, cut after its last whole sentence within 200 characters: CUDA's out-of-memory
+    message is one line of ~600 (how much was asked, what is free, what this process holds, allocator advice)."""
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if len(line) > 200:
+        end = line[:200].rfind(". ")
+        line = line[:end] if end > 0 else line[:200]
+    return line.rstrip(".")

@@ -90,7 +90,9 @@ def loss(model, batch):
         raise torch.OutOfMemoryError(f"test fault: {len(batch['x'])} samples do not fit (oom_above={oom[0]})")
     forward_oom = spec.get("forward_oom_above")
     if forward_oom and model.training and len(batch["x"]) > forward_oom[0]:
-        raise torch.OutOfMemoryError(f"test fault: {len(batch['x'])} samples do not fit (forward_oom_above)")
+        raise torch.OutOfMemoryError(
+            f"test fault: {len(batch['x'])} samples do not fit (forward_oom_above). {CUDA_OOM}"
+        )
     loss, n = regression.loss(model, batch)
     if _nan_now:
         _faulted.set()
@@ -103,6 +105,13 @@ _sleep_now = False  # set by sleep_in_loss, likewise
 
 
 _args = None  # the recipe's Args, from build_data
+# The rest of the line CUDA's caching allocator raised on an H100 (bench/gpu.py's auto_micro_batch row).
+CUDA_OOM = (
+    "Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which 78.47 GiB is free. Including "
+    "non-PyTorch memory, this process has 712.00 MiB memory in use. 686.00 MiB allowed; Of the allocated memory 2.81 "
+    "MiB is allocated by PyTorch, and 1.19 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+    "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+)
 _calls = 0  # loss calls with gradients on this rank (oom_once)
 
 
