@@ -20,8 +20,8 @@ Before a redo every rank puts DDP back to a window's start (_decide): without th
 forward all-reduces alone in the redo's first backward, or broadcasts buffers alone (both seen to hang in tests).
 
 The size is saved in checkpoints (`micro_batch_size` in trainer_state.json): a resumed run keeps the halved size,
-with or without the flag. The decision is read twice for CUDA (the cache is emptied before the redo) but has run
-on CPUs only, where a recipe raises torch.OutOfMemoryError (tests/test_micro_batch.py).
+with or without the flag. Tested on CPUs, where a recipe raises torch.OutOfMemoryError (tests/test_micro_batch.py);
+run on one H100 with a real CUDA out of memory (bench/gpu.py's auto_micro_batch row), not yet on several GPUs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The GPU suite in one command: every GPU check of the project, through the recipes' and benches' command lines,
-one table on the screen and the same as JSON. Not yet run on a GPU: estimated at 5-6 minutes on one H100/H200;
+one table on the screen and the same as JSON. Run on one H100 (docs/cifar.md): 5 minutes for every row;
 --budget bounds it (bench/gpu_run.sh passes 330 s), so the table and the JSON come out in time whatever it takes.
 
     python bench/gpu.py --dataset ../shared/data/cifar10            # a GPU machine: the full suite
