@@ -37,6 +37,10 @@ Checks (rows), GPU mode / CPU reduced mode:
                   run's peak (torch.cuda.set_per_process_memory_fraction, a real CUDA out of memory): without
                   --auto_micro_batch one line and a non-zero exit, with it three halvings to 2048 and the weights of
                   the run started there. CPU: skipped (tests/test_micro_batch.py raises the error on CPUs).
+  save_async      recipes/regression.py (width 1024) three times, 8 updates, checkpoints at 4 and 8: synchronous,
+                  --save_async, and resumed from the async step 4: the checkpoints' files (size, sha256) and the
+                  final weights the same bytes. On a GPU the background write stages through pinned host memory.
+                  CPU: the same (tests/test_async_save.py asserts it there).
   peak_memory     the largest peak over the cifar_5_seeds runs (torch.cuda.max_memory_allocated; CPU: peak RSS),
                   each seed's, the Trainer's own logged peak_memory_mb when present, and (GPU) what the process
                   held before each seed's Trainer: the goal, that a dropped Trainer freed its GPU memory.
@@ -65,7 +69,17 @@ import time
 import harness
 from harness import ROOT
 
-ROWS = ("cifar_5_seeds", "bf16", "fp16", "fp8", "torch_compile", "overhead", "auto_micro_batch", "peak_memory")
+ROWS = (
+    "cifar_5_seeds",
+    "bf16",
+    "fp16",
+    "fp8",
+    "torch_compile",
+    "overhead",
+    "auto_micro_batch",
+    "save_async",
+    "peak_memory",
+)
 NEEDS_CUDA = "skipped: needs CUDA"
 TINY_CIFAR = ["--widths", "8,16,16", "--batch_size", "40", "--eval_batch_size", "30", "--num_train_epochs", "2"]
 
@@ -531,6 +545,56 @@ def check_auto_micro_batch(s: Suite) -> dict:
     return {"metrics": m, "summary": summary, "goal": goal, "met": met}
 
 
+SAVE_ARGS = ["--hidden_size", "1024", "--max_steps", "8", "--save_steps", "4", "--logging_steps", "4", "--seed", "0",
+             "--disable_tqdm"]  # fmt: skip
+
+
+def check_save_async(s: Suite) -> dict:
+    """tests/test_async_save.py's promise on the device: --save_async's checkpoints hold the synchronous ones' bytes
+    (on a GPU they go through pinned host memory, a path CPUs do not take), and a run resumed from one ends with
+    the uninterrupted run's weights."""
+    import shutil
+
+    runs = {k: os.path.join(s.out, f"save_{k}") for k in ("sync", "async", "resumed")}
+    for k in runs:
+        shutil.rmtree(runs[k], ignore_errors=True)
+    recipe = [sys.executable, "recipes/regression.py", *SAVE_ARGS]
+    s.sh("save_sync", recipe + ["--output_dir", runs["sync"]])
+    s.sh("save_async", recipe + ["--output_dir", runs["async"], "--save_async"])
+    step_4 = os.path.join("checkpoints", "step_4")
+    shutil.copytree(os.path.join(runs["async"], step_4), os.path.join(runs["resumed"], step_4))
+    s.sh(
+        "save_resumed", recipe + ["--output_dir", runs["resumed"], "--save_async", "--resume_from_checkpoint", "latest"]
+    )
+
+    def manifest(run: str, step: int) -> dict:
+        with open(os.path.join(runs[run], "checkpoints", f"step_{step}", "manifest.json")) as f:
+            return json.load(f)["files"]
+
+    def final(run: str) -> bytes:
+        with open(os.path.join(runs[run], "model.safetensors"), "rb") as f:
+            return f.read()
+
+    for run in ("async", "resumed"):  # equal bytes prove nothing if the flag did not reach the run
+        with open(os.path.join(runs[run], "run_config.json")) as f:
+            if json.load(f)["args"].get("save_async") is not True:
+                raise CheckFailed(f"the {run} run's run_config.json does not record save_async: true")
+    m = {
+        "checkpoints_equal": {step: manifest("async", step) == manifest("sync", step) for step in (4, 8)},
+        "differing_files": sorted(k for k, v in manifest("async", 8).items() if manifest("sync", 8).get(k) != v),
+        "async_final_equal": final("async") == final("sync"),
+        "resumed_final_equal": final("resumed") == final("sync"),
+    }
+    met = all(m["checkpoints_equal"].values()) and m["async_final_equal"] and m["resumed_final_equal"]
+    summary = (
+        f"async checkpoints {'=' if all(m['checkpoints_equal'].values()) else '!='} sync byte for byte"
+        f"{'' if not m['differing_files'] else ' (differ: ' + ', '.join(m['differing_files']) + ')'}; "
+        f"resumed from an async step 4: final weights {'=' if m['resumed_final_equal'] else '!='} uninterrupted"
+    )
+    goal = "--save_async's checkpoints are the sync ones byte for byte, and a run resumed from one is bit-identical"
+    return {"metrics": m, "summary": summary, "goal": goal, "met": met if s.gpu else None}
+
+
 CHECKS = {
     "cifar_5_seeds": check_cifar,
     "bf16": check_bf16,
@@ -539,6 +603,7 @@ CHECKS = {
     "torch_compile": check_compile,
     "overhead": check_overhead,
     "auto_micro_batch": check_auto_micro_batch,
+    "save_async": check_save_async,
     "peak_memory": check_peak_memory,
 }
 

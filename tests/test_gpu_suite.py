@@ -55,6 +55,7 @@ def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
         "torch_compile",
         "overhead",
         "auto_micro_batch",
+        "save_async",
         "peak_memory",
     ]
     for name, row in rows.items():
@@ -66,7 +67,7 @@ def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
     assert rows["torch_compile"]["status"] == "skipped: --skip"
     assert rows["auto_micro_batch"]["status"].startswith("skipped: needs CUDA")  # a real CUDA out of memory
     # what a CPU can run did run, with numbers from the real runs
-    for name in ("cifar_5_seeds", "bf16", "overhead", "peak_memory"):
+    for name in ("cifar_5_seeds", "bf16", "overhead", "save_async", "peak_memory"):
         assert rows[name]["status"] == "ok", (name, rows[name])
     cifar = rows["cifar_5_seeds"]["metrics"]
     assert cifar["seeds"] == 2 and 0 <= cifar["accuracy_mean"] <= 1 and cifar["images_per_s_mean"] > 0
@@ -81,6 +82,8 @@ def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
     # on a CPU in fp32 the Trainer does the hand-written loop's arithmetic: the same weights, bit for bit
     assert set(overhead["final_weights"].values()) == {"bit-identical"}, overhead["final_weights"]
     assert min(overhead["peak_memory_mb"].values()) > 0
+    save = rows["save_async"]["metrics"]  # --save_async's checkpoints and a resume from one: the sync run's bytes
+    assert save["checkpoints_equal"] == {"4": True, "8": True} and save["resumed_final_equal"], save
     assert rows["peak_memory"]["metrics"]["peak_memory_mb"] > 0
     assert len(rows["peak_memory"]["metrics"]["peak_memory_mb_per_seed"]) == 2  # each seed's own peak
     assert all(r.get("met") is None for r in rows.values())  # goals are judged on a GPU only
