@@ -48,6 +48,28 @@ def test_a_run_resumed_from_an_async_checkpoint_is_bit_identical(runs, tmp_path)
     assert final_bytes(out) == final_bytes(runs / "sync")
 
 
+def test_a_stager_that_closes_itself_after_staging_as_torch_2_11s_does_writes_every_checkpoint(
+    runs, tmp_path, monkeypatch
+):
+    """torch 2.11's DefaultStager closes itself at the end of stage(); 2.13's does not. A stager kept across
+    checkpoints then failed at the second one with KeyError: <class 'type'> (seen on an H100 with torch 2.11, then
+    on a CPU). Here 2.13's stager is made to close itself the same way, through its public close()."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage = DefaultStager.stage
+
+    def stage_then_close(self, state_dict, **kwargs):
+        staged = stage(self, state_dict, **kwargs)
+        self.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "stage", stage_then_close)
+    make(tmp_path / "run", max_steps=8, save_steps=4, save_async=True).fit()
+    for step in (4, 8):
+        assert files_of(tmp_path / "run", step) == files_of(runs / "sync", step)
+    assert final_bytes(tmp_path / "run") == final_bytes(runs / "sync")
+
+
 def test_a_failed_background_write_stops_the_run_at_the_next_update(tmp_path, monkeypatch):
     # The second checkpoint's background write fails (as a permission error would): the run stops at the update
     # boundary after it is known, with one line naming the checkpoint; the first checkpoint is `latest`, intact.

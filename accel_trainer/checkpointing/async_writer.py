@@ -53,7 +53,6 @@ class AsyncWriter:
         self.accelerator = accelerator
         self.timeout_s = timeout_s
         self._group = None
-        self._stager = None
         self._thread: threading.Thread | None = None
         self._tmp: str | None = None  # the folder being written
         self._abandoned = False  # wait() gave up on the write: it must not commit if it ever ends
@@ -148,14 +147,18 @@ class AsyncWriter:
         import torch
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        if self._stager is None:
-            gpu = torch.cuda.is_available()  # pinned memory and non-blocking copies need one (not yet run on a GPU)
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
-                )
-            )
-        return self._stager.stage(state)
+        # A stager per checkpoint, closed once it has staged: torch 2.11's closes itself at the end of stage(), so
+        # a kept one failed at the second checkpoint (KeyError: <class 'type'>; seen on an H100, then on a CPU);
+        # 2.13's keeps its host copies for the next checkpoint, which this gives up, and frees them instead.
+        gpu = torch.cuda.is_available()  # pinned memory and non-blocking copies need one
+        options = StagingOptions(
+            use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
+        )
+        stager = DefaultStager(options)
+        try:
+            return stager.stage(state)
+        finally:
+            stager.close()
 
     # ----------------------------------------------------------------------------------------- background thread
     def _write(self, tmp: str, big: list, commit, on_staged, guard):
