@@ -30,6 +30,7 @@ import math
 
 import torch
 from accelerate.utils import DistributedType, find_batch_size, recursively_apply
+from accelerate.utils.memory import clear_device_cache
 
 from . import privates
 from .errors import UserError
@@ -98,8 +99,7 @@ class MicroBatches:
                 ranks = e.ranks
             # Here, out of the except block: the failed micro-batch's frames (its activations) are released.
             updater.inner_opt.zero_grad(set_to_none=True)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            clear_device_cache()  # the accelerator's cached blocks (CUDA, XPU, MPS, ...) back for the redo
             if failed is not None:
                 ranks = self._vote(updater, failed)
             self._decide(ranks, failed, updater)

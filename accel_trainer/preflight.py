@@ -40,6 +40,7 @@ import random
 
 import torch
 from accelerate.utils import DistributedType, find_batch_size
+from accelerate.utils.memory import clear_device_cache
 
 from . import evaluation, micro_batch, privates
 from .recipe import RecipeError
@@ -81,8 +82,8 @@ def checked(trainer, windows):
     if first is None:
         return
     if os.environ.get(OPT_OUT, "1") != "0" and first:
-        micro = trainer.updater.micro
-        check(trainer, micro_batch.first_samples(first[0], micro.size) if micro.splits else first[0])
+        micro_batches, _ = trainer.updater.micro.split(first)
+        check(trainer, micro_batches[0])
     yield first
     yield from windows
 
@@ -113,9 +114,7 @@ def _check_fitting(trainer, batch) -> str | None:
             return _check_hooks(trainer, batch)
         except torch.OutOfMemoryError:
             n = find_batch_size(batch)
-        # Out of the except block: the failed forward's frames (its activations) are released.
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        clear_device_cache()  # out of the except block: the failed forward's frames (activations) are released
         if not n or n <= 1:
             return None  # the update runs out of memory too, and says so in its own line
         batch = micro_batch.first_samples(batch, math.ceil(n / 2))
