@@ -108,6 +108,16 @@ class Suite:
 
     def sh(self, name: str, cmd: list[str], timeout: float | None = None) -> str:
         """Run a command; its output goes to logs/<name>.log. A non-zero exit raises CheckFailed with its last line."""
+        rc, text = self.run(name, cmd, timeout)
+        if rc != 0:
+            lines = [line for line in text.splitlines() if line.strip()]
+            errors = [line for line in lines if line.startswith(("error", "Error")) or "Error:" in line]
+            line = (errors or lines or ["no output"])[-1]
+            raise CheckFailed(f"exit {rc}: {line[:200]} (log: {os.path.join(self.logs, name)}.log)")
+        return text
+
+    def run(self, name: str, cmd: list[str], timeout: float | None = None) -> tuple[int, str]:
+        """Run a command; its output goes to logs/<name>.log. Returns (exit status, output)."""
         log = os.path.join(self.logs, f"{name}.log")
         timeout = timeout or self.a.timeout
         if self.deadline is not None:
@@ -124,13 +134,7 @@ class Suite:
             except subprocess.TimeoutExpired:
                 raise CheckFailed(f"timed out after {timeout:.0f} s (log: {log})") from None
         with open(log) as f:
-            text = f.read()
-        if rc != 0:
-            lines = [line for line in text.splitlines() if line.strip()]
-            errors = [line for line in lines if line.startswith(("error", "Error")) or "Error:" in line]
-            line = (errors or lines or ["no output"])[-1]
-            raise CheckFailed(f"exit {rc}: {line[:200]} (log: {log})")
-        return text
+            return rc, f.read()
 
     def cifar_args(self) -> list[str]:
         args = ["--dataset", self.a.dataset]
@@ -506,17 +510,9 @@ def check_auto_micro_batch(s: Suite) -> dict:
     peak = max(r["peak_memory_mb"] for r in read_rows(runs["small"]) if "peak_memory_mb" in r)
     cap = [sys.executable, "bench/gpu.py", CAP_MEMORY, f"{OOM_CAP * peak:.0f}", "recipes/regression.py", *OOM_ARGS]
     cap += ["--per_device_train_batch_size", str(OOM_BIG)]
-    try:
-        s.sh("oom_refused", cap + ["--output_dir", runs["refused"]])
-        fitted = True
-    except CheckFailed as e:  # the run stopped, as it should: its output is read below
-        if not str(e).startswith("exit"):
-            raise
-        fitted = False
-    if fitted:
+    rc, refused = s.run("oom_refused", cap + ["--output_dir", runs["refused"]])
+    if rc == 0:
         raise CheckFailed(f"a micro-batch of {OOM_BIG} fitted under {OOM_CAP * peak:.0f} MB: no out of memory to test")
-    with open(os.path.join(s.logs, "oom_refused.log")) as f:
-        refused = f.read()
     lines = [x for x in refused.splitlines()[1:] if x.strip()]
     one_line = [x for x in lines if f"Out of memory in an update at a micro-batch of {OOM_BIG} samples" in x]
     if not one_line or "Traceback" in refused or "--auto_micro_batch" not in one_line[0]:
@@ -579,16 +575,20 @@ def check_save_async(s: Suite) -> dict:
         with open(os.path.join(runs[run], "run_config.json")) as f:
             if json.load(f)["args"].get("save_async") is not True:
                 raise CheckFailed(f"the {run} run's run_config.json does not record save_async: true")
-    differing = sorted(k for k, v in manifest("async", 8).items() if manifest("sync", 8).get(k) != v)
+    files = {(run, step): manifest(run, step) for run in ("sync", "async") for step in (4, 8)}
+    differing = sorted(
+        os.path.join("checkpoints", f"step_{step}", name)
+        for step in (4, 8)
+        for name, entry in files["async", step].items()
+        if files["sync", step].get(name) != entry
+    )
     m = {
-        "checkpoints_equal": {step: manifest("async", step) == manifest("sync", step) for step in (4, 8)},
+        "checkpoints_equal": {step: files["async", step] == files["sync", step] for step in (4, 8)},
         "differing_files": differing,
         # Bytes can differ where values do not: on a GPU the synchronous optimizer.bin pickles its tensors tagged
         # cuda:0, the background copy's are on the CPU (seen on an H100; a resume moves them to the parameters'
         # device either way). So a differing file's tensors are compared as values too.
-        "differing_files_same_values": all(
-            same_values(runs, os.path.join("checkpoints", "step_8", f)) for f in differing
-        ),
+        "differing_files_same_values": all(same_values(runs, name) for name in differing),
         "async_final_equal": final("async") == final("sync"),
         "resumed_final_equal": final("resumed") == final("sync"),
     }
