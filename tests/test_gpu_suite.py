@@ -31,7 +31,7 @@ def uninstalled_env(tmp_path) -> dict:
     return e
 
 
-def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
+def test_gpu_suite_cpu_mode_reports_every_row(tmp_path, suite):
     # Run as on the GPU machine, with the package not installed: the parent process once imported it (the tiny
     # CIFAR's fixtures in CPU mode, the fp8 row's capability check in GPU mode) and died with a traceback.
     out = tmp_path / "suite"
@@ -47,17 +47,7 @@ def test_gpu_suite_cpu_mode_reports_every_row(tmp_path):
     report = json.loads((out / "suite.json").read_text())
     rows = {r["name"]: r for r in report["rows"]}
     assert report["mode"] == "cpu-reduced"
-    assert list(rows) == [
-        "cifar_5_seeds",
-        "bf16",
-        "fp16",
-        "fp8",
-        "torch_compile",
-        "overhead",
-        "auto_micro_batch",
-        "save_async",
-        "peak_memory",
-    ]
+    assert list(rows) == list(suite.ROWS)  # every row of the suite, in its order
     for name, row in rows.items():
         assert row["status"] == "ok" or row["status"].startswith(("skipped: ", "failed: ")), (name, row)
         assert name in proc.stdout  # the printed table has the row too

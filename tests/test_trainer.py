@@ -284,8 +284,7 @@ def test_a_dropped_trainer_frees_its_model_at_once(tmp_path):
     data (on a GPU, their memory) must go then, not at Python's next full garbage collection, which may come after
     the next Trainer has built its own (an H100 sweep of 5 seeds grew from 1434 to 1832 MB). Reference counting
     alone frees them when nothing points back at the Trainer: with checkpoints (written in the background where torch
-    can), EMA,
-    the profiler, evaluation and metrics on, and the automatic collection off."""
+    can), EMA, the profiler, evaluation and metrics on, and the automatic collection off."""
     import gc
     import weakref
 
