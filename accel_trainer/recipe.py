@@ -138,7 +138,7 @@ class Recipe:
     build_optimizer: Callable | None = None  # (model, ctx) -> Optimizer
     build_scheduler: Callable | None = None  # (optimizer, ctx) -> LR scheduler; ctx.num_training_steps is set
     eval_step: Callable | None = None  # (model, batch) -> {"loss", "n_items", "predictions", "references"}
-    build_metrics: Callable | None = None  # (ctx) -> {name: evaluate.EvaluationModule}
+    build_metrics: Callable | None = None  # (ctx) -> {name: metric with add_batch and compute (evaluate's)}
     defaults: dict | None = None  # the recipe's own defaults for TrainingArguments fields
     configure: Callable | None = None  # (ctx) -> None: adjust ctx.args/ctx.targs after parsing (presets)
     # FSDP: the module classes (or class names) that become their own FSDP unit, for a model without transformers'

@@ -1,5 +1,6 @@
 """Helpers for recipes, not part of the loop: offline-aware loading of transformers models, tokenizers and datasets
-(text.py, hub.py) and `evaluate` metrics that work without the network (metrics.py, metric_modules.py).
+(text.py, hub.py) and metrics with evaluate's interface that work without the network (metrics.py,
+metric_modules.py).
 
     from accel_trainer.kit.text import load_pretrained, tokenizer_for
     from accel_trainer import load_metric            # = accel_trainer.kit.metrics.load_metric

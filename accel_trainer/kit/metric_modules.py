@@ -1,31 +1,78 @@
-"""`evaluate` metric modules that load without the network (imported by `metrics.load_metric` on first use:
-importing `evaluate` pulls in transformers.pipelines, seconds that a process which never evaluates needn't pay).
+"""Metrics that load without the network and without `evaluate` (imported by `metrics.load_metric` on first use).
 
-`evaluate.load("accuracy")` fetches a script from the Hub, which fails offline (and on our CI). These are
-`evaluate.Metric` subclasses with the same names, inputs and outputs as the Hub modules, computed with numpy
-(the Hub versions call scikit-learn, which we don't otherwise need). `load_metric(name)` returns ours for the
-names we have, and falls back to `evaluate.load` (a Hub id or a local metric folder) for anything else.
-All modules keep their state in memory: several processes on one machine must not share cache files.
+`evaluate.load("accuracy")` fetches a script from the Hub, which fails offline (and on our CI). These have the same
+names, inputs and outputs as the Hub modules and evaluate's metric interface (`add_batch`, `add`, `compute`, which
+resets), computed with numpy (the Hub versions call scikit-learn, which we don't otherwise need). They are not
+`evaluate.Metric` subclasses: importing `evaluate` pulls in transformers.pipelines and datasets, seconds of start-up
+in every process that evaluates (docs/benchmarks.md), for metrics that are a few lines of numpy. `load_metric(name)` returns ours for the names we have, and falls back to `evaluate.load` (a Hub id or a
+local metric folder) for anything else. All keep their state in memory: no cache files shared between processes.
 """
 
 from __future__ import annotations
 
-import datasets
-import evaluate
 import numpy as np
+import torch
 
 
-def _features(dtype: str) -> datasets.Features:
-    return datasets.Features({"predictions": datasets.Value(dtype), "references": datasets.Value(dtype)})
+class Metric:
+    """evaluate's metric interface without evaluate: `add_batch(predictions=, references=)` and `add(prediction=,
+    reference=)` keep the values, `compute(**options)` computes over all of them (and any it is given) and resets.
+    Each value is read as `dtype`, the feature type of the Hub module of the same name: one number per sample."""
+
+    name = "metric"
+    dtype = "int64"  # "int64": class ids (a float prediction that is not a whole number is refused), or "float32"
+
+    def __init__(self, config_name: str | None = None, keep_in_memory: bool = True):
+        self.config_name = config_name or "default"
+        self._predictions: list[np.ndarray] = []
+        self._references: list[np.ndarray] = []
+
+    def _column(self, what: str, values) -> np.ndarray:
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu()
+            values = values.float() if values.dtype == torch.bfloat16 else values  # numpy has no bfloat16
+        a = np.asarray(values)
+        if a.ndim != 1:
+            raise ValueError(
+                f"Predictions and/or references don't match the expected format: {self.name} takes one value per "
+                f"sample; got {what} of shape {list(a.shape)}."
+            )
+        if self.dtype == "int64":
+            if a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
+                raise ValueError(
+                    f"{self.name} takes class ids (whole numbers); got {what} such as {a[a != np.round(a)][0]:g}: "
+                    "take the argmax of the logits."
+                )
+            return a.astype(np.int64)
+        return a.astype(np.float32)  # as the Hub module's float32 feature rounds them
+
+    def add_batch(self, *, predictions=None, references=None):
+        p, r = self._column("predictions", predictions), self._column("references", references)
+        if len(p) != len(r):
+            raise ValueError(f"Mismatch in the number of predictions ({len(p)}) and references ({len(r)})")
+        self._predictions.append(p)
+        self._references.append(r)
+
+    def add(self, *, prediction=None, reference=None):
+        self.add_batch(predictions=[prediction], references=[reference])
+
+    def compute(self, *, predictions=None, references=None, **options) -> dict:
+        if predictions is not None or references is not None:
+            self.add_batch(predictions=predictions, references=references)
+        if not self._predictions:
+            raise ValueError(f"{self.name}: compute() has no values: add_batch(predictions=, references=) first.")
+        p, r = np.concatenate(self._predictions), np.concatenate(self._references)
+        self._predictions, self._references = [], []
+        return self._compute(p, r, **options)
+
+    def _compute(self, predictions: np.ndarray, references: np.ndarray, **options) -> dict:
+        raise NotImplementedError
 
 
-def _info(description: str, dtype: str) -> evaluate.MetricInfo:
-    return evaluate.MetricInfo(description=description, citation="", inputs_description="", features=_features(dtype))
+class Accuracy(Metric):
+    """Fraction of predictions equal to the references."""
 
-
-class Accuracy(evaluate.Metric):
-    def _info(self):
-        return _info("Fraction of predictions equal to the references.", "int64")
+    name = "accuracy"
 
     def _compute(self, predictions, references, normalize=True, sample_weight=None):
         hits = np.asarray(predictions) == np.asarray(references)
@@ -33,9 +80,10 @@ class Accuracy(evaluate.Metric):
         return {"accuracy": float((hits * w).sum() / (w.sum() if normalize else 1.0))}
 
 
-class F1(evaluate.Metric):
-    def _info(self):
-        return _info("F1 score (binary by default; macro/micro/weighted averages for multi-class).", "int64")
+class F1(Metric):
+    """F1 score (binary by default; macro/micro/weighted averages for multi-class)."""
+
+    name = "f1"
 
     def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
         # sklearn's f1_score: per class, counts of true positives, predicted and true samples, each sample
@@ -77,9 +125,10 @@ def _f1(pred: np.ndarray, ref: np.ndarray) -> float:
     return 2 * tp / denom if denom else 0.0
 
 
-class MSE(evaluate.Metric):
-    def _info(self):
-        return _info("Mean squared error.", "float32")
+class MSE(Metric):
+    """Mean squared error."""
+
+    name, dtype = "mse", "float32"
 
     def _compute(self, predictions, references, squared=True):
         err = float(
@@ -111,11 +160,16 @@ GLUE_TASKS = (
 )
 
 
-class Glue(evaluate.Metric):
-    def _info(self):
+class Glue(Metric):
+    """The GLUE metric of the task `config_name`."""
+
+    name = "glue"
+
+    def __init__(self, config_name: str | None = None, keep_in_memory: bool = True):
+        super().__init__(config_name, keep_in_memory)
         if self.config_name not in GLUE_TASKS:
             raise KeyError(f"glue: config_name must be one of {', '.join(GLUE_TASKS)}, got {self.config_name!r}.")
-        return _info(f"GLUE metric for {self.config_name}.", "float32" if self.config_name == "stsb" else "int64")
+        self.dtype = "float32" if self.config_name == "stsb" else "int64"  # stsb: a similarity score per pair
 
     def _compute(self, predictions, references):
         p, r = np.asarray(predictions), np.asarray(references)
@@ -170,7 +224,7 @@ BUILTIN["glue"] = Glue
 class TokenClassification:
     """Entity-level micro precision/recall/F1 (conlleval / seqeval default mode) and token accuracy.
 
-    Not an `evaluate.Metric`: it keeps counts, not the tokens, and takes rows of any length. It follows the metric
+    Not a `Metric` above: it keeps counts, not the tokens, and takes rows of any length. It follows the metric
     protocol the Trainer needs: `add_batch(predictions=, references=)` with int tensors or nested lists of shape
     [batch, tokens] (rows may have different lengths, -100 in `references` drops that position from both), then
     `compute()` -> {"precision", "recall", "f1", "accuracy"} (floats; 0.0 where a ratio is 0/0), which resets.
