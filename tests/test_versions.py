@@ -1,8 +1,8 @@
 """A feature that needs newer torch/Accelerate releases than the package's lower bounds (accel_trainer/versions.py)
 is refused at start-up in one line naming the releases it needs, on every rank, before anything trains; on releases
-that have it, the same launch runs it. .ci/versions runs this file on the oldest and the newest releases: on the
-oldest the FSDP launch below must be refused, on the newest it must shard (tests/test_sharding.py then checks FSDP
-itself, on the releases that run it)."""
+that have it, the same launch runs it. .ci/versions runs this file on the oldest and the newest releases and on
+torch 2.11: on the oldest the FSDP launch below must be refused, on the others it must shard (tests/test_sharding.py
+then checks FSDP itself, on the releases that run it)."""
 
 import sys
 
