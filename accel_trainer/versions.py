@@ -13,9 +13,9 @@ NEEDS = {
         "bit-identical",
         "run without FSDP (DDP: a config without distributed_type FSDP)",
     ),
-    # --save_async has run on torch 2.13 and 2.15 (.ci) and 2.11 (by hand, on an H100 and a CPU). 2.11's and 2.12's
-    # DefaultStager closes itself after each stage (read in their wheels; 2.9's, 2.10's, 2.13's do not), so
-    # async_writer.py makes one per checkpoint. Not run on 2.9, 2.10 or 2.12.
+    # --save_async runs on torch 2.11, 2.13 and 2.15 in CI (.ci/versions torch-2.11, .ci/run, newest), and ran on 2.11
+    # on an H100. 2.11's and 2.12's DefaultStager closes itself after each stage (read in their wheels; 2.9's, 2.10's,
+    # 2.13's do not), so async_writer.py makes one per checkpoint. Not run on 2.9, 2.10 or 2.12.
     "--save_async": (
         {"torch": (2, 9)},
         "its copy of the state is staged by torch.distributed.checkpoint's DefaultStager, which torch 2.8 lacks; "
