@@ -13,8 +13,8 @@ NEEDS = {
         "bit-identical",
         "run without FSDP (DDP: a config without distributed_type FSDP)",
     ),
-    # --save_async runs on torch 2.11, 2.13 and 2.15 in CI (.ci/versions torch-2.11, .ci/run, newest), and ran on 2.11
-    # on an H100. 2.11's and 2.12's DefaultStager closes itself after each stage (read in their wheels; 2.9's, 2.10's,
+    # --save_async runs on torch 2.13 and 2.15 in CI (.ci/run, newest) and on 2.11 by `bash .ci/versions torch-2.11`,
+    # and ran on 2.11 on an H100. 2.11's and 2.12's DefaultStager closes itself after each stage (read in their wheels; 2.9's, 2.10's,
     # 2.13's do not), so async_writer.py makes one per checkpoint. Not run on 2.9, 2.10 or 2.12.
     "--save_async": (
         {"torch": (2, 9)},

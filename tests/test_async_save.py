@@ -1,7 +1,7 @@
 """--save_async (accel_trainer/checkpointing/async_writer.py): the checkpoints are the synchronous ones byte for byte, a resumed
 run is bit-identical, a failed background write stops the run at the next update with one line, and FSDP2 on two
-gloo processes. (SIGKILL during a background write, 1 and 2 processes: tests/test_fault_tolerance.py.) .ci/versions
-runs this file on torch 2.11 too, whose DefaultStager closes itself after each stage (2.13's does not)."""
+gloo processes. (SIGKILL during a background write, 1 and 2 processes: tests/test_fault_tolerance.py.)
+`bash .ci/versions torch-2.11` runs this file on torch 2.11, whose DefaultStager closes itself after each stage."""
 
 import json
 import os

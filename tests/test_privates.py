@@ -1,8 +1,8 @@
 """Every Accelerate/torch private the package uses (accel_trainer/privates.py) still exists and still is what the
 package takes it for, on the installed releases: one case per use, run on real objects (an Accelerator with prepared
 objects, a compiled module, a GradScaler, a fully_shard-ed module), so a release that removes or changes one fails
-the case named after that use. .ci/versions runs this file on the oldest and the newest supported releases, and on
-torch 2.11."""
+the case named after that use. .ci/versions runs this file on the oldest and the newest supported releases (and
+`bash .ci/versions torch-2.11` on torch 2.11)."""
 
 import functools
 import inspect

@@ -1,8 +1,8 @@
 """A feature that needs newer torch/Accelerate releases than the package's lower bounds (accel_trainer/versions.py)
 is refused at start-up in one line naming the releases it needs, on every rank, before anything trains; on releases
-that have it, the same launch runs it. .ci/versions runs this file on the oldest and the newest releases and on
-torch 2.11: on the oldest the FSDP launch below must be refused, on the others it must shard (tests/test_sharding.py
-then checks FSDP itself, on the releases that run it)."""
+that have it, the same launch runs it. .ci/versions runs this file on the oldest and the newest releases (and by
+hand on torch 2.11): on the oldest the FSDP launch below must be refused, on the others it must shard
+(tests/test_sharding.py then checks FSDP itself, on the releases that run it)."""
 
 import sys
 
@@ -22,10 +22,12 @@ def test_fsdp_runs_or_is_refused_in_one_line_naming_the_releases_it_needs(tmp_pa
         assert run_config(str(out))["topology"]["distributed_type"] == "FSDP"
         return
     # each rank's own one line, no traceback from the ranks (torchrun's elastic agent then reports the failed
-    # workers with its own traceback, which is the launcher's, not ours)
+    # workers with its own traceback, which is the launcher's, not ours). Once one rank has exited, the agent stops
+    # the other: on a loaded machine it may not have come as far as its line (seen in CI: one line of two).
     text = proc.stdout + proc.stderr
     ranks = text.split("torch/distributed/elastic")[0]
-    assert proc.returncode != 0 and ranks.count(f"error: {needed}\n") == 2, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and 1 <= len(errors) <= 2 and set(errors) == {f"error: {needed}"}, text[-3000:]
     assert "Traceback" not in ranks, text[-3000:]
     assert not (out / "model.safetensors").exists()  # nothing trained
 
