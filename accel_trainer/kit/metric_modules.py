@@ -4,8 +4,9 @@
 names, inputs and outputs as the Hub modules and evaluate's metric interface (`add_batch`, `add`, `compute`, which
 resets), computed with numpy (the Hub versions call scikit-learn, which we don't otherwise need). They are not
 `evaluate.Metric` subclasses: importing `evaluate` pulls in transformers.pipelines and datasets, seconds of start-up
-in every process that evaluates (docs/benchmarks.md), for metrics that are a few lines of numpy. `load_metric(name)` returns ours for the names we have, and falls back to `evaluate.load` (a Hub id or a
-local metric folder) for anything else. All keep their state in memory: no cache files shared between processes.
+in every process that evaluates (docs/benchmarks.md), for metrics that are a few lines of numpy. `load_metric(name)`
+returns ours for the names we have, and falls back to `evaluate.load` (a Hub id or a local metric folder) for
+anything else. All keep their state in memory: no cache files shared between processes.
 """
 
 from __future__ import annotations
