@@ -104,3 +104,19 @@ def test_the_readme_recipe_trains_and_its_model_loads_as_the_readme_says(tmp_pat
     mse = float(proc.stdout.split("MSE")[-1])
     final_eval = [r["eval_loss"] for r in metric_rows(tmp_path / "out" / "my") if "eval_loss" in r][-1]
     assert abs(mse - final_eval) <= 1e-5 * max(1.0, final_eval), (mse, final_eval)
+
+
+def numbers(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w.])\d+(?:\.\d+)?", text))  # not the 16 of fp16
+
+
+def test_the_results_table_quotes_the_current_numbers_of_docs_benchmarks():
+    """Each figure in the README's results column is one of docs/benchmarks.md's Summary table, which holds the
+    current numbers (its other sections also keep earlier ones): a re-measurement updates both or the test fails."""
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        summary = f.read().split("## Summary\n", 1)[1].split("\n## ", 1)[0]
+    section = readme().split("## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 8, section
+    stale = {row[0].strip(): sorted(numbers(row[1]) - numbers(summary)) for row in rows}
+    assert not {k: v for k, v in stale.items() if v}, stale
