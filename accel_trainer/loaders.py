@@ -6,6 +6,7 @@
     take                   --max_train_samples / --max_eval_samples, for every kind of dataset
     epoch_batches          one epoch of the train loader from a batch on (a resumed run skips what it has seen)
     MapPosition            where the run is in map-style data: windows from there, its state_dict, the run length
+    last_batch_rows        the samples in each rank's last batch of an epoch (Accelerate pads it with repeats)
     accumulation_windows   the micro-batches of each optimizer update, aligned to epoch starts
 
 A stream (an iterable train dataset) is read through streaming.py's per-rank loader; everything else through the
@@ -17,9 +18,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset
 
-from . import streaming
+from . import micro_batch, streaming
 from .errors import UserError
 from .recipe import RecipeError
 
@@ -191,6 +193,9 @@ class MapPosition:
         self.loader, self.accelerator = loader, accelerator
         self.epoch = self.batch_in_epoch = 0
         self.batches_per_epoch: int | None = None
+        self.last_rows = last_batch_rows(loader)  # each rank's samples in an epoch's last batch (None: all full)
+        sharded = self.last_rows is not None and accelerator.num_processes > 1  # Accelerate's repeats fill them up
+        self.tail_rows = self.last_rows[accelerator.process_index] if sharded else None
 
     def run_length(self, args, eval_loader, recipe_name: str) -> tuple[int, int, int]:
         """(micro-batches per epoch on this rank, updates per epoch, total updates)."""
@@ -213,7 +218,16 @@ class MapPosition:
             self.batches, L, accumulation, self.epoch, self.batch_in_epoch
         ):
             self.epoch, self.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
-            yield window
+            yield self._without_repeats(window) if position == L and self.tail_rows is not None else window
+
+    def _without_repeats(self, window: list) -> list:
+        """An epoch's last window, its last batch cut to this rank's real samples: Accelerate fills the ranks' last
+        batches up with repeats of the epoch's first samples, which would be trained on and weighed as items, so 1
+        and N processes would make different last updates. A batch of repeats alone (no sample of this rank) is kept
+        whole, for the forward and backward every rank takes part in, and weighed by zero items (update.py)."""
+        if self.tail_rows:
+            return [*window[:-1], micro_batch.first_samples(window[-1], self.tail_rows)]
+        return RepeatsLast(window)
 
     def batches(self, epoch: int, skip: int = 0):
         return epoch_batches(self.loader, epoch, skip, self.accelerator)
@@ -235,6 +249,31 @@ class MapPosition:
 
     def load_rank_files(self, folder: str):
         pass
+
+
+class RepeatsLast(list):
+    """A window whose last batch holds no sample of this rank, only Accelerate's repeats (MapPosition)."""
+
+    repeats_last = True
+
+
+def last_batch_rows(loader) -> list[int] | None:
+    """How many samples each rank's last batch of an epoch holds; None when every batch is full, or the loader is
+    not a DataLoader (a recipe's own batches). Accelerate's sharding: rank r of W takes batch i*W + r of the epoch's
+    batches of the per-device size b, and, without drop_last, fills the last global batch up to W*b with repeats
+    of the epoch's first samples (BatchSamplerShard, even_batches), after the real ones."""
+    sampler = getattr(loader, "batch_sampler", None) if isinstance(loader, DataLoader) else None
+    ranks = 1
+    if isinstance(sampler, BatchSamplerShard):
+        if sampler.split_batches or not sampler.even_batches:
+            return None
+        ranks, sampler = sampler.num_processes, sampler.batch_sampler
+    if not isinstance(sampler, BatchSampler) or sampler.drop_last:
+        return None
+    b, n = sampler.batch_size, len(sampler.sampler)
+    first = (len(loader) - 1) * ranks * b  # the first sample of the epoch's last global batch
+    rows = [min(max(n - first - r * b, 0), b) for r in range(ranks)]
+    return None if all(k == b for k in rows) else rows
 
 
 def accumulation_windows(epoch_batches, batches_per_epoch: int, accumulation: int, epoch: int = 0, start: int = 0):

@@ -23,6 +23,9 @@ is not the check's to report: the update reports it in its own line, or halves t
 --auto_micro_batch. The check then runs on the first half of its batch, then the first quarter, ..., since the
 hooks' contract shows on a few samples as well; on one sample that does not fit it is left to the update.
 
+Where an epoch's last batch holds one sample on some rank, `loss` also runs on one sample of the batch: a model that
+cannot train on one (BatchNorm over [batch, features]) would otherwise fail at that update, an epoch in.
+
 `ACCEL_TRAINER_RECIPE_CHECK=0` skips the check (a run whose metric is known to fail, to keep its model).
 
 A bare 0-d loss (`return out.loss`, the transformers habit) is accepted: `counting_items` weighs it by the batch's
@@ -136,12 +139,31 @@ def _check_hooks(trainer, batch) -> str | None:
         try:
             model.train()
             note = _check_loss(user_loss(model, batch), batch)
+            _check_one_sample(trainer.data, user_loss, model, batch)
             if recipe.eval_step is not None or recipe.build_metrics is not None:
                 model.eval()
                 _check_eval(recipe, trainer.ctx, model, batch, trainer.accelerator.device)
         finally:
             model.train(was_training)
     return note
+
+
+def _check_one_sample(data, loss, model, batch) -> None:
+    """Where an epoch's last batch holds one sample on some rank (loaders.last_batch_rows), the loss on one sample
+    of this batch: a model that cannot train on one (BatchNorm over [batch, features]: "Expected more than 1 value
+    per channel") would otherwise fail at that update, an epoch into the run, on that rank alone."""
+    rows = getattr(data, "last_rows", None)  # a stream has no last batch
+    if not rows or 1 not in rows or (find_batch_size(batch) or 1) <= 1:  # a batch of one was just checked
+        return
+    try:
+        loss(model, micro_batch.first_samples(batch, 1))
+    except Exception as e:  # noqa: BLE001 -- whatever fails on one sample fails at the last batch too
+        where = f" on rank {rows.index(1)}" if len(rows) > 1 else ""
+        raise RecipeError(
+            f"the last training batch of each epoch holds 1 sample{where}, and loss fails on one sample "
+            f"({_first_line(e)}): pass --dataloader_drop_last, or a --per_device_train_batch_size or "
+            "--max_train_samples that leaves more than one."
+        ) from None
 
 
 def _check_loss(out, batch) -> str | None:

@@ -80,6 +80,7 @@ class Updater:
         self.reference = None  # K: the previous update's items per rank (a tensor; None: not known yet)
         self.grad_norm = None
         self.micro_losses: list = []  # the last update's per-micro-batch losses, detached (nan_batch.py)
+        self.repeats_at = None  # the index in the window of a batch of repeats alone (__call__)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the Updater: K (update.py's docstring), None before the first DDP update."""
@@ -93,8 +94,12 @@ class Updater:
             self.reference = torch.tensor(state["items_per_rank"], device=self.accelerator.device)
 
     def __call__(self, window: list, schedule: bool = True) -> Result:
+        # An epoch's last window may end in a batch of Accelerate's repeats alone (loaders.MapPosition): weighed
+        # by zero items, and no samples.
+        self.repeats_at = len(window) - 1 if getattr(window, "repeats_last", False) else None
         loss_mean, n_sum = self.micro.run(self, window)  # _forward_backward, redone smaller on out of memory
-        self.meter.updated(sum(find_batch_size(b) or 0 for b in window), n_sum)
+        samples = window[:-1] if self.repeats_at is not None else window
+        self.meter.updated(sum(find_batch_size(b) or 0 for b in samples), n_sum)
         clipped = self._clip() if self.max_grad_norm > 0 else None
         checked = self._checked_norm(clipped)
         grad_norm = checked if checked is not None else clipped
@@ -128,6 +133,8 @@ class Updater:
                 last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
                 with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
                     loss, n = self.loss(self.model, batch)
+                    if origin[i] == self.repeats_at:
+                        n = n * 0
                     detached = loss.detach()
                     if i and origin[i] == origin[i - 1]:  # a cut of the same loader batch: non-finite if one is
                         self.micro_losses[-1] = self.micro_losses[-1] + detached

@@ -2,14 +2,18 @@
 
 1 process x batch 16 x accumulation 1 == 1 process x batch 8 x accumulation 2 == 2 processes x batch 4 x
 accumulation 2, with a loss whose item count varies per micro-batch (masked targets). A trainer that averaged
-per-micro-batch means (the 2024 transformers bug) or per-rank means fails this.
+per-micro-batch means (the 2024 transformers bug) or per-rank means fails this. 250 samples leave a last global
+batch of 10: on 2 processes Accelerate fills rank 0's last micro-batch (2 samples) and rank 1's (none) up with
+repeats of the epoch's first samples, which a trainer that trained on them would weigh as items.
 """
 
 import pytest
 from helpers import assert_same_weights, metrics, run, run_config, weights
 
-# 256 samples / global batch 16 = 16 updates per epoch: 20 updates cross an epoch boundary.
+# 250 samples / global batch 16 = 16 updates per epoch, the last of 10 samples: 20 updates cross an epoch boundary.
 COMMON = [
+    "--num_train_samples",
+    "250",
     "--mask_prob",
     "0.5",
     "--max_steps",
@@ -182,3 +186,29 @@ def test_eval_loss_of_a_scalar_eval_step_is_exact_on_two_processes(tmp_path):
     for a, b in zip(ev1, ev2):
         assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
         assert b["eval_mse"] == pytest.approx(a["eval_mse"], rel=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 16, 17, 33, 250])
+@pytest.mark.parametrize("ranks,batch", [(1, 4), (2, 4), (2, 16), (3, 4), (4, 3)])
+def test_the_samples_in_each_ranks_last_batch_are_where_accelerate_puts_them(n, ranks, batch):
+    """loaders.last_batch_rows, the arithmetic that keeps Accelerate's repeats out of the last update, against the
+    batches Accelerate's prepare_data_loader gives each rank: the epoch's last global batch lays its real samples
+    end to end over the ranks' last batches, rank 0's first (a sample i at row j of rank r is i = first + r*b + j),
+    then repeats of the epoch's first samples; the real ones are the leading rows, as many as it says."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from accel_trainer.loaders import last_batch_rows
+
+    data = list(range(n))
+    got, seen = [], []
+    for rank in range(ranks):
+        loader = prepare_data_loader(DataLoader(data, batch_size=batch), num_processes=ranks, process_index=rank)
+        batches = [b.tolist() for b in loader]
+        first = (len(batches) - 1) * ranks * batch  # the first sample of the epoch's last global batch
+        real = [i == first + rank * batch + j for j, i in enumerate(batches[-1])]
+        assert real == sorted(real, reverse=True)  # the real samples lead
+        got.append(last_batch_rows(loader))
+        seen.append(sum(real))
+    expected = None if all(k == batch for k in seen) else seen
+    assert got == [expected] * ranks

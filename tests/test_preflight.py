@@ -103,3 +103,24 @@ def test_the_check_leaves_a_good_runs_numbers_bit_identical(tmp_path):
         runs[check] = ([r["loss"] for r in rows(out) if "loss" in r], weights(out))
     assert runs["1"][0] == runs["0"][0]
     assert all(torch.equal(runs["1"][1][k], runs["0"][1][k]) for k in runs["0"][1])
+
+
+def test_a_model_that_cannot_train_on_the_epochs_last_single_sample_is_refused_before_the_first_update(tmp_path):
+    # BatchNorm over [batch, features] raises on one sample in train mode; 33 samples in batches of 16 end each
+    # epoch with one (on 2 processes: rank 0's, after Accelerate's repeats are cut off). Without the check: a
+    # traceback at update 3, an epoch into the run.
+    bn = ["--batch_norm", "--num_train_samples", "33", "--per_device_train_batch_size", "16"] + SHORT
+    expected = (
+        "error: the last training batch of each epoch holds 1 sample{}, and loss fails on one sample (ValueError: "
+        "Expected more than 1 value per channel when training"
+    )
+    for nproc, where in ((1, ""), (2, " on rank 0")):
+        out = tmp_path / f"o{nproc}"
+        line = refused(run(RECIPE, ["--output_dir", out] + bn, nproc=nproc, check=False, timeout=300), out)
+        assert line.startswith(expected.format(where)) and line.endswith(
+            ": pass --dataloader_drop_last, or a --per_device_train_batch_size or --max_train_samples that leaves "
+            "more than one."
+        ), line
+    out = tmp_path / "dropped"
+    run(RECIPE, ["--output_dir", out, "--dataloader_drop_last"] + bn)  # the fix it names trains
+    assert [r["step"] for r in rows(out) if "loss" in r] == [1, 2, 3, 4]
