@@ -18,6 +18,7 @@ import regression  # noqa: E402
 
 from accel_trainer import Trainer, TrainingArguments  # noqa: E402
 from accel_trainer.checkpointing.folder import CheckpointError, write_manifest  # noqa: E402
+from accel_trainer.errors import UserError  # noqa: E402
 from accel_trainer.trainer import NonFiniteLossError  # noqa: E402
 
 
@@ -374,3 +375,25 @@ def test_auto_restart_moves_aside_a_best_model_it_cannot_compare_against(tmp_pat
     (aside,) = [d for d in os.listdir(out) if d.startswith("best.previous-")]
     assert (out / aside / "model.safetensors").read_bytes() == b"earlier" and not (out / "best").exists()
     assert f"moved to {out / aside}" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_elsewhere_does_not_write_over_a_finished_run_or_itself(trained, tmp_path):
+    """Resuming another folder's checkpoint is a run of its own in output_dir: into a folder that holds a finished
+    run it is refused as a new run would be (before, that run's model and logs were replaced), and a checkpoint
+    that overlaps output_dir is refused (before, the run wrote its model over the checkpoint's)."""
+    finished = copy_run(trained, tmp_path / "finished")
+    before = {p: (finished / p).read_bytes() for p in ("model.safetensors", "run_config.json", "metrics.jsonl")}
+    source = str(trained / "checkpoints" / "step_4")
+    with pytest.raises(UserError, match=r"holds a previous run \(metrics.jsonl, run_config.json, checkpoints"):
+        make(finished, max_steps=12, resume_from_checkpoint=source)
+    assert {p: (finished / p).read_bytes() for p in before} == before
+    # --overwrite_output_dir: the finished run is deleted, and the resumed one continues from step 4
+    trainer = make(finished, max_steps=12, resume_from_checkpoint=source, overwrite_output_dir=True)
+    assert trainer.global_step == 4 and not (finished / "model.safetensors").exists()
+    assert not (finished / "checkpoints").exists()
+
+    copy = copy_run(trained / "checkpoints" / "step_8", tmp_path / "step_8")
+    for out in (copy, copy / "inside"):
+        with pytest.raises(UserError, match="overlap: the run would write into the checkpoint it resumes from"):
+            make(out, max_steps=12, resume_from_checkpoint=str(copy))
+    assert sorted(os.listdir(copy)) == sorted(os.listdir(trained / "checkpoints" / "step_8"))

@@ -58,10 +58,13 @@ def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
     there is none, replacing the logs of an attempt that died before its first checkpoint."""
     out = args.output_dir
     spec = ckpt_resume.effective_resume_spec(args.resume_from_checkpoint)
-    if spec:
-        path = ckpt_resume.resolve_on_main(accelerator, spec, out)
-        if path is not None:
-            return path, {}
+    path = ckpt_resume.resolve_on_main(accelerator, spec, out) if spec else None
+    if path is not None and _within(path, ckpt_folder.checkpoints_root(out)):
+        return path, {}  # this run's own checkpoint: output_dir holds the run it continues
+    if path is not None:
+        _refuse_overlap(path, out)
+    # A new run, or one continued from a checkpoint elsewhere: output_dir must not hold another run, whose model,
+    # logs and checkpoints this one would write over or mix with its own.
     kept_best: dict = {}
     previous = [f for f in PREVIOUS_RUN_FILES if os.path.exists(os.path.join(out, f))]
     leftovers = spec is not None and spec.startswith("auto") and "model.safetensors" not in previous
@@ -76,9 +79,25 @@ def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
         accelerator.wait_for_everyone()  # every rank has checked before the main one deletes
         if accelerator.is_main_process:
             for f in previous:
-                path = os.path.join(out, f)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    return None, kept_best
+                old = os.path.join(out, f)
+                shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+    return path, kept_best
+
+
+def _within(path: str, root: str) -> bool:
+    """`path` is `root` or under it, links resolved."""
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root + os.sep)
+
+
+def _refuse_overlap(checkpoint: str, out: str) -> None:
+    """A checkpoint from outside output_dir's checkpoints/ must lie outside output_dir, and output_dir outside it:
+    the run writes its model, logs, best/ and checkpoints there, over or into the checkpoint's own files."""
+    if _within(checkpoint, out) or _within(out, checkpoint):
+        raise UserError(
+            f"--resume_from_checkpoint {checkpoint} and --output_dir {out} overlap: the run would write into the "
+            "checkpoint it resumes from. Give another --output_dir, one that neither holds the checkpoint nor lies in it."
+        )
 
 
 def _keep_best(accelerator, args, out: str) -> dict:
