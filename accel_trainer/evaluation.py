@@ -165,7 +165,7 @@ def previous_best(args, output_dir: str) -> dict | None:
         with open(os.path.join(output_dir, "best", "best.json")) as f:
             record = json.load(f)
         key, value, step = record["metric"], float(record["value"]), int(record["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
     if not name or key not in (name, f"eval_{name}") or not math.isfinite(value):
         return None

@@ -397,3 +397,41 @@ def test_a_checkpoint_from_elsewhere_does_not_write_over_a_finished_run_or_itsel
         with pytest.raises(UserError, match="overlap: the run would write into the checkpoint it resumes from"):
             make(out, max_steps=12, resume_from_checkpoint=str(copy))
     assert sorted(os.listdir(copy)) == sorted(os.listdir(trained / "checkpoints" / "step_8"))
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # parses past Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    "file, content, message",
+    [
+        ("manifest.json", "[1, 2]", r"manifest.json is unreadable \(not a JSON object with a 'files' object\)"),
+        ("manifest.json", DEEP, r"manifest.json is unreadable \(maximum recursion depth"),
+        ("trainer_state.json", DEEP, r"trainer_state.json is missing or unreadable \(RecursionError"),
+        ("trainer_state.json", {"skipped_steps": "x"}, r"trainer_state.json holds skipped_steps 'x', which no run"),
+        ("trainer_state.json", {"global_step": -4}, r"holds global_step -4, skipped_steps 0, which no run writes"),
+        ("trainer_state.json", {"batch_in_epoch": -1, "epoch": -1}, r"holds epoch -1, batch_in_epoch -1, which"),
+        ("trainer_state.json", {"best_metric": "abc"}, r"holds best_metric 'abc', which no run writes"),
+        ("trainer_state.json", {"best_metric": float("nan")}, r"holds best_metric nan, which no run writes"),
+        ("trainer_state.json", {"best_metric": 1.0, "best_step": 99}, r"holds best_step 99, which no run writes"),
+    ],
+)
+def test_a_crafted_manifest_or_trainer_state_is_one_line_and_latest_skips_it(trained, tmp_path, file, content, message):
+    """JSON someone else wrote: not a traceback from a list where an object belongs, a nesting deeper than the
+    parser's recursion, or a value of the wrong type in a field the resume reads; nor a silent resume of values
+    no run writes (a negative step made step_-4 folders; a NaN best never let best/ be written)."""
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_12"
+    if isinstance(content, dict):
+        state = json.load(open(folder / file))
+        json.dump({**state, **content}, open(folder / file, "w"))
+        rehash(folder)  # the manifest matches: the values themselves are refused
+    else:
+        state = json.load(open(folder / "trainer_state.json"))
+        (folder / file).write_text(content)
+        if file == "trainer_state.json":
+            write_manifest(str(folder), state)  # the manifest lists the crafted file as it is
+    with pytest.raises(CheckpointError, match=message):
+        make(out, max_steps=16, resume_from_checkpoint=str(folder))
+    trainer = make(out, max_steps=16, resume_from_checkpoint="latest")  # the newest good one instead
+    assert trainer.global_step == 8

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import stat
@@ -26,8 +27,9 @@ _PICKLED = (".bin", ".pkl", ".pt", ".pth")  # what accelerate.load_state reads w
 _CUSTOM_STATE = re.compile(r"^custom_checkpoint_\d+\.pkl$")
 # What torch, Accelerate, DCP or the Trainer read from a checkpoint folder; a file named otherwise is read by none.
 _READ = _PICKLED + (".safetensors", ".distcp", ".metadata", ".json")
-_STATE_KEYS = ("global_step", "epoch", "batch_in_epoch", "num_processes", "per_device_train_batch_size",
-               "gradient_accumulation_steps")  # fmt: skip
+# the integers a resume reads, each with the least value a run writes
+_STATE_KEYS = {"global_step": 0, "epoch": 0, "batch_in_epoch": 0, "num_processes": 1, "per_device_train_batch_size": 1,
+               "gradient_accumulation_steps": 1}  # fmt: skip
 
 
 def read_manifest(path: str) -> dict:
@@ -40,9 +42,9 @@ def read_manifest(path: str) -> dict:
     try:
         with open(file) as f:
             manifest = json.load(f)
-        if not isinstance(manifest.get("files"), dict):
-            raise ValueError("no 'files' entry")
-    except (ValueError, OSError) as e:
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise ValueError("not a JSON object with a 'files' object")
+    except (ValueError, OSError, RecursionError) as e:  # RecursionError: JSON nested too deep to parse
         raise CheckpointError(f"Checkpoint {path}: {file} is unreadable ({e}).") from None
     return manifest
 
@@ -154,12 +156,27 @@ def check_state(path: str):
     file = os.path.join(path, STATE_FILE)
     try:
         state = read_state(path)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"Checkpoint {path}: {file} is missing or unreadable ({why(e)}).") from None
     bad = [k for k in _STATE_KEYS if type(state.get(k)) is not int] if isinstance(state, dict) else ["everything"]
     if bad:
         raise CheckpointError(
             f"Checkpoint {path}: {file} lacks {', '.join(bad)} (integers): not the trainer state of a checkpoint."
+        )
+    step, skipped = state["global_step"], state.get("skipped_steps", 0)
+    best, best_step = state.get("best_metric"), state.get("best_step")
+    wrong = [f"{k} {state[k]}" for k, least in _STATE_KEYS.items() if state[k] < least]
+    if type(skipped) is not int or not 0 <= skipped <= step:
+        wrong.append(f"skipped_steps {skipped!r}")
+    if best is not None and (type(best) not in (int, float) or not math.isfinite(best)):
+        wrong.append(f"best_metric {best!r}")
+    if best_step is not None and (type(best_step) is not int or not 0 <= best_step <= step):
+        wrong.append(f"best_step {best_step!r}")
+    if wrong:
+        raise CheckpointError(
+            f"Checkpoint {path}: {file} holds {', '.join(wrong)}, which no run writes (steps, epoch and position "
+            "from 0, processes and batch sizes from 1, skipped_steps and best_step up to global_step, best_metric "
+            "a finite number or null): it cannot be resumed."
         )
 
 
