@@ -4,6 +4,7 @@ checkpoints, `latest` falling back to the previous good one, `auto`, and the NaN
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -435,3 +436,45 @@ def test_a_crafted_manifest_or_trainer_state_is_one_line_and_latest_skips_it(tra
         make(out, max_steps=16, resume_from_checkpoint=str(folder))
     trainer = make(out, max_steps=16, resume_from_checkpoint="latest")  # the newest good one instead
     assert trainer.global_step == 8
+
+
+@pytest.mark.parametrize("victim", ["random_states_0.pkl", "optimizer.bin", "scheduler.bin", "model.safetensors"])
+def test_a_checkpoint_without_a_file_every_checkpoint_holds_is_refused_even_with_a_matching_manifest(
+    trained, tmp_path, victim
+):
+    """Accelerate's load_state skipped a missing RNG file with a log line (the resumed run drew other random
+    numbers, silently), and a missing optimizer was a bare "[Errno 2]" naming no checkpoint."""
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_12"
+    os.remove(folder / victim)
+    rehash(folder)
+    with pytest.raises(CheckpointError, match=rf"manifest.json lists no {re.escape(victim)}\b.*: it is incomplete"):
+        make(out, max_steps=16, resume_from_checkpoint=str(folder))
+
+
+def test_an_ema_that_does_not_continue_is_said_and_one_of_another_shape_is_refused(trained, tmp_path, capsys):
+    """Before: a checkpoint without EMA weights restarted the EMA of an --ema_decay run without a word, an EMA
+    checkpoint resumed without --ema_decay ended it without a word, and EMA weights of another shape were a
+    RuntimeError traceback out of safetensors."""
+    out = copy_run(trained, tmp_path / "run")
+    args = TrainingArguments(output_dir=str(out), max_steps=16, ema_decay=0.9, resume_from_checkpoint="latest")
+    Trainer(regression, args, regression.Args())
+    assert (
+        "has no ema.safetensors (written without --ema_decay): the EMA starts from its weights"
+        in capsys.readouterr().out
+    )
+
+    ema_run = tmp_path / "ema"
+    make(ema_run, max_steps=4, save_steps=4, ema_decay=0.9).fit()
+    folder = ema_run / "checkpoints" / "step_4"
+    args = TrainingArguments(output_dir=str(ema_run), max_steps=8, resume_from_checkpoint="latest")
+    Trainer(regression, args, regression.Args())
+    assert "ema.safetensors end here: this run has no --ema_decay" in capsys.readouterr().out
+
+    from safetensors.torch import save_file
+
+    ema = load_file(folder / "ema.safetensors")
+    save_file({k: torch.zeros(*(d + 1 for d in v.shape)) for k, v in ema.items()}, folder / "ema.safetensors")
+    rehash(folder)
+    with pytest.raises(CheckpointError, match=r"ema.safetensors does not fit this model \(0.weight: \(33, 17\)"):
+        make(ema_run, max_steps=8, ema_decay=0.9, resume_from_checkpoint="latest")

@@ -208,6 +208,7 @@ def resume(accelerator, path: str, args, model, optimizer, *, ema=None, streamin
     that continues: interrupted writes removed, newer checkpoints set aside (`say` prints the first)."""
     saved = read_state(path)
     position = resumed_position(saved, path, args, accelerator.num_processes, streaming)
+    _check_ema(path, ema, say if accelerator.is_main_process else lambda line: None)
     state = load_checkpoint(accelerator, path, model, optimizer, ema=ema)
     if accelerator.is_main_process:
         for stale in remove_stale_tmp(args.output_dir):
@@ -220,6 +221,25 @@ def resume(accelerator, path: str, args, model, optimizer, *, ema=None, streamin
                 "this run's own checkpoints. Delete that folder if you do not need it."
             )
     return state, position
+
+
+def _check_ema(path: str, ema, say) -> None:
+    """The checkpoint's EMA weights (--ema_decay) checked against the model like model.safetensors; an EMA that does
+    not continue is said in one line: a checkpoint without one (the EMA starts from its weights) or a run without
+    --ema_decay (the average ends), where before the EMA restarted or ended without a word."""
+    file = os.path.join(path, EMA_FILE)
+    if ema is None:
+        if os.path.isfile(file):
+            say(f"note: the EMA weights in {file} end here: this run has no --ema_decay.")
+        return
+    if not os.path.isfile(file):
+        say(
+            f"note: checkpoint {path} has no {EMA_FILE} (written without --ema_decay): the EMA starts from its weights."
+        )
+        return
+    with safe_open(file, framework="pt") as f:
+        found = {_plain_key(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    _check_shapes(path, file, found, ema.module)
 
 
 def resumed_position(saved: dict, path: str, args, world: int, streaming: bool = False) -> int:

@@ -145,6 +145,7 @@ def verify_checkpoint(path: str, log=None) -> dict:
         if digest != meta["sha256"]:
             raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
     check_state(path)
+    check_complete(path, manifest)
     check_safe_to_load(path, manifest)
     check_safetensors(path, manifest)
     check_dcp_metadata_safe(path, manifest)  # a sharded (FSDP) checkpoint's DCP metadata, read with plain pickle
@@ -177,6 +178,27 @@ def check_state(path: str):
             f"Checkpoint {path}: {file} holds {', '.join(wrong)}, which no run writes (steps, epoch and position "
             "from 0, processes and batch sizes from 1, skipped_steps and best_step up to global_step, best_metric "
             "a finite number or null): it cannot be resumed."
+        )
+
+
+def check_complete(path: str, manifest: dict):
+    """The manifest lists what every checkpoint of ours holds: the model, the optimizer and the scheduler (full
+    files, or under FSDP the DCP folders) and each writing rank's RNG state. Accelerate's load_state skips a missing
+    RNG file with a log line, so a checkpoint without one resumed with other random numbers (dropout), silently."""
+    files = manifest["files"]
+    ranks = read_state(path)["num_processes"]
+
+    def has(name: str, folder: str | None = None) -> bool:
+        return name in files or (folder is not None and any(rel.startswith(folder + "/") for rel in files))
+
+    needed = [("model.safetensors", "pytorch_model_fsdp_0"), ("optimizer.bin", "optimizer_0"), ("scheduler.bin", None)]
+    needed += [(f"random_states_{rank}.pkl", None) for rank in range(ranks)]
+    missing = [name if folder is None else f"{name} (or {folder}/)" for name, folder in needed if not has(name, folder)]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {path}: {MANIFEST_FILE} lists no {', '.join(missing)}, which every checkpoint written by "
+            f"{ranks} process(es) holds: it is incomplete and cannot continue the run it comes from. Resume from "
+            "another checkpoint (--resume_from_checkpoint latest takes the newest complete one)."
         )
 
 
