@@ -10,6 +10,7 @@ argument value) ends with one clear line on stderr and exit 1, not a traceback; 
 from __future__ import annotations
 
 import errno
+import os
 import sys
 
 from .entry import USER_ERRORS, command_line
@@ -30,7 +31,7 @@ def _run(recipe, argv):
         output_dir = args.targs.output_dir
         return Trainer(args.recipe, args).fit()
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _error_line(e)
         sys.exit(1)
     except OSError as e:  # a full disk outside a checkpoint or model write (run_config.json, a log row): one line
         if e.errno not in (errno.ENOSPC, errno.EDQUOT) or output_dir is None:
@@ -41,5 +42,17 @@ def _run(recipe, argv):
             with disk_full_is_one_line(output_dir, e.filename or f"into {output_dir}"):
                 raise e
         except DiskFullError as full:
-            print(f"error: {full}", file=sys.stderr, flush=True)
+            _error_line(full)
             sys.exit(1)
+
+
+def _error_line(error: BaseException) -> None:
+    """`error: <message>` on stderr in one write: print() writes the text and its newline separately, and under
+    a launcher (unbuffered output) two ranks' lines were seen glued into one."""
+    line = f"error: {error}\n"
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), line.encode())
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a notebook's or a test's captured stream)
+        sys.stderr.write(line)
+        sys.stderr.flush()
