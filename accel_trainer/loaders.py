@@ -48,7 +48,10 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
         )
     unknown = set(data) - {"train", "eval", "collate", "loader", "tokenizer"}  # tokenizer: saved with the model
     if unknown:
-        raise RecipeError(f"Recipe {recipe_name}: build_data returned unknown keys {sorted(unknown)}.")
+        raise RecipeError(
+            f"Recipe {recipe_name}: build_data returned unknown keys {sorted(unknown)}; it takes 'train', 'eval', "
+            "'collate', 'loader' and 'tokenizer' (the evaluation set, validation or test, is 'eval')."
+        )
     make = data.get("loader")
     stream = None
 
@@ -56,6 +59,12 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
         nonlocal stream
         if dataset is None:
             return None
+        if isinstance(dataset, DataLoader):  # else taken for a stream: "has no state_dict()", the wrong fix
+            raise RecipeError(
+                f"Recipe {recipe_name}: build_data's {'train' if train else 'eval'} entry is a DataLoader; return "
+                "its dataset (the Trainer batches, shuffles and shards it; its collate_fn as 'collate'), or a "
+                "'loader' factory if the recipe batches the data itself (docs/architecture.md)."
+            )
         if streaming.is_iterable_dataset(dataset):
             batches = _stream_loader(dataset, train, data, args, recipe_name)
             group = streaming.epoch_group(accelerator, args.ddp_timeout)

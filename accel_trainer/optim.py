@@ -12,6 +12,7 @@ import torch
 
 from . import privates
 from .args import TrainingArguments
+from .recipe import RecipeError
 
 
 def default_optimizer(
@@ -21,6 +22,13 @@ def default_optimizer(
     # No weight decay on biases and normalisation weights (1-d tensors), as transformers does.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    if not decay + no_decay:  # torch's "optimizer got an empty parameter list", a traceback, in the user's terms
+        if not any(True for _ in model.parameters()):
+            raise RecipeError("the model from build_model has no parameters: return the module to train.")
+        raise RecipeError(
+            "the model has no parameter to train (none has requires_grad=True): unfreeze the ones to train "
+            "(p.requires_grad_(True)) in build_model, or give the recipe a build_optimizer."
+        )
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],

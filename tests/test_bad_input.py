@@ -248,3 +248,52 @@ def test_a_metric_that_fails_at_the_final_evaluation_keeps_the_trained_model(tmp
     (row,) = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()[before:]]  # no training row
     assert row["step"] == 16 and 0 <= row["eval_accuracy"] <= 1
     assert not (out / "error_after_training.txt").exists()
+
+
+NEWCOMER = """
+import torch
+from torch import nn
+
+x = torch.randn(64, 8)
+data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def build_model(ctx):
+    {model}
+
+
+def build_data(ctx):
+    return {data}
+
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y), len(x)
+"""
+
+
+@pytest.mark.parametrize(
+    "model, data, message",
+    [
+        ("return nn.Linear(8, 1).requires_grad_(False)", '{"train": data}',
+         "error: the model has no parameter to train (none has requires_grad=True): unfreeze the ones to train"),
+        ("return nn.Identity()", '{"train": data}',
+         "error: the model from build_model has no parameters: return the module to train."),
+        ("return nn.Linear(8, 1)", '{"train": torch.utils.data.DataLoader(data, batch_size=8)}',
+         "build_data's train entry is a DataLoader; return its dataset (the Trainer batches, shuffles and shards"),
+        ("return nn.Linear(8, 1)", '{"train": data, "validation": data}',
+         "build_data returned unknown keys ['validation']; it takes 'train', 'eval', 'collate', 'loader' and "
+         "'tokenizer' (the evaluation set, validation or test, is 'eval')."),
+    ],
+)  # fmt: skip
+def test_a_newcomers_recipe_mistake_is_one_line_naming_the_fix(model, data, message, tmp_path):
+    """Recipes written the way people write them. Before: torch's "optimizer got an empty parameter list" as a
+    traceback (no trainable parameter, or none at all), a DataLoader taken for a stream ("has no state_dict(): use
+    a datasets.IterableDataset", the wrong fix), and unknown keys without the ones build_data takes."""
+    recipe = tmp_path / "newcomer.py"
+    recipe.write_text(NEWCOMER.format(model=model, data=data))
+    proc = accel_trainer_train(recipe, tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [proc.stderr.strip()]  # one line
+    assert message in proc.stderr, proc.stderr
+    assert not (tmp_path / "o" / "model.safetensors").exists()
