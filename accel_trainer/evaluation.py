@@ -11,9 +11,9 @@ import os
 
 import torch
 from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import find_batch_size, slice_tensors
 
 from .errors import UserError
+from .micro_batch import first_samples, sample_count
 
 
 def _eval_outputs(recipe, model, batch) -> dict:
@@ -34,10 +34,10 @@ def outputs(recipe, model, batch, device, real_rows=None) -> dict:
     out = _eval_outputs(recipe, model, batch)
     loss, n = out["loss"], torch.as_tensor(out["n_items"], device=device)
     if loss.ndim == 0:
-        B = len(out["references"]) if "references" in out else find_batch_size(batch)
+        B = len(out["references"]) if "references" in out else sample_count(batch)
         k = B if real_rows is None else real_rows(B)
         if k < B:
-            real = _eval_outputs(recipe, model, slice_tensors(batch, slice(0, k))) if k else {"loss": 0, "n_items": 0}
+            real = _eval_outputs(recipe, model, first_samples(batch, k)) if k else {"loss": 0, "n_items": 0}
             loss, n = torch.as_tensor(real["loss"], device=device), torch.as_tensor(real["n_items"], device=device)
         repeats = torch.zeros(B - k, device=device)  # dropped by gather_for_metrics; zero either way
         out["loss"] = torch.cat([(loss.float() * n / max(k, 1)).expand(k), repeats])

@@ -27,9 +27,10 @@ run on one H100 with a real CUDA out of memory (bench/gpu.py's auto_micro_batch 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
-from accelerate.utils import DistributedType, find_batch_size, recursively_apply
+from accelerate.utils import DistributedType, honor_type
 from accelerate.utils.memory import clear_device_cache
 
 from . import privates
@@ -78,7 +79,7 @@ class MicroBatches:
             return window, list(range(len(window)))
         micro, origin = [], []
         for i, batch in enumerate(window):
-            n = find_batch_size(batch)
+            n = sample_count(batch)
             starts = range(0, n, self.size) if n and n > self.size else [None]
             for start in starts:
                 micro.append(batch if start is None else _cut(batch, n, start, self.size))
@@ -184,21 +185,44 @@ class MicroBatches:
             )
 
 
+def sample_count(batch) -> int | None:
+    """The batch's number of samples: the first dimension of its first tensor, depth first (None: no tensor with
+    one). What Accelerate's find_batch_size reads, except that it raises where a batch starts with something
+    else, e.g. a column of strings that a recipe's loss tokenizes itself."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        n = sample_count(value)
+        if n is not None:
+            return n
+    return None
+
+
 def first_samples(batch, size: int):
-    """The batch's first `size` samples (its tensors cut along dim 0), or the batch itself where it has no sample
-    count or not more than `size` samples."""
-    n = find_batch_size(batch)
+    """The batch's first `size` samples (cut as _cut does), or the batch itself where it has no sample count or
+    not more than `size` samples."""
+    n = sample_count(batch)
     return _cut(batch, n, 0, size) if n and n > size else batch
 
 
 def _cut(batch, n: int, start: int, size: int):
-    """Samples [start, start + size) of a batch of n: every tensor whose first dimension is n, cut there; anything
-    else (a 0-d tensor, a tensor of another length, a non-tensor) as it is."""
+    """Samples [start, start + size) of a batch of n: every tensor whose first dimension is n, and every list of n
+    plain values (a column of strings or numbers), cut there; anything else (a 0-d tensor, a tensor of another
+    length, a single value) as it is."""
 
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        return t[start : start + size] if t.dim() and t.shape[0] == n else t
+    def cut(x):
+        if isinstance(x, torch.Tensor):
+            return x[start : start + size] if x.dim() and x.shape[0] == n else x
+        if isinstance(x, Mapping):
+            return type(x)({k: cut(v) for k, v in x.items()})
+        if isinstance(x, (list, tuple)):
+            if len(x) == n and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in x):
+                return x[start : start + size]
+            return honor_type(x, (cut(v) for v in x))
+        return x
 
-    return recursively_apply(cut, batch)
+    return cut(batch)
 
 
 def _first_line(error: BaseException) -> str:

@@ -29,7 +29,7 @@ cannot train on one (BatchNorm over [batch, features]) would otherwise fail at t
 `ACCEL_TRAINER_RECIPE_CHECK=0` skips the check (a run whose metric is known to fail, to keep its model).
 
 A bare 0-d loss (`return out.loss`, the transformers habit) is accepted: `counting_items` weighs it by the batch's
-sample count (Accelerate's find_batch_size) everywhere the loss is used (update, evaluation), and the check says so
+sample count (micro_batch.sample_count: its first tensor's first dimension) everywhere the loss is used (update, evaluation), and the check says so
 once.
 """
 
@@ -42,7 +42,7 @@ import os
 import random
 
 import torch
-from accelerate.utils import DistributedType, find_batch_size
+from accelerate.utils import DistributedType
 from accelerate.utils.memory import clear_device_cache
 
 from . import evaluation, micro_batch, privates
@@ -70,7 +70,7 @@ def counting_items(recipe):
 
 
 def _sample_count(batch) -> int:
-    n = find_batch_size(batch)
+    n = micro_batch.sample_count(batch)
     if not n:
         raise RecipeError(
             "loss returned a bare 0-d tensor and the batch's sample count cannot be found (no tensor in it with a "
@@ -116,7 +116,7 @@ def _check_fitting(trainer, batch) -> str | None:
         try:
             return _check_hooks(trainer, batch)
         except torch.OutOfMemoryError:
-            n = find_batch_size(batch)
+            n = micro_batch.sample_count(batch)
         clear_device_cache()  # out of the except block: the failed forward's frames (activations) are released
         if not n or n <= 1:
             return None  # the update runs out of memory too, and says so in its own line
@@ -153,7 +153,7 @@ def _check_one_sample(data, loss, model, batch) -> None:
     of this batch: a model that cannot train on one (BatchNorm over [batch, features]: "Expected more than 1 value
     per channel") would otherwise fail at that update, an epoch into the run, on that rank alone."""
     rows = getattr(data, "last_rows", None)  # a stream has no last batch
-    if not rows or 1 not in rows or (find_batch_size(batch) or 1) <= 1:  # a batch of one was just checked
+    if not rows or 1 not in rows or (micro_batch.sample_count(batch) or 1) <= 1:  # a batch of one was just checked
         return
     try:
         loss(model, micro_batch.first_samples(batch, 1))

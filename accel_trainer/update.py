@@ -34,10 +34,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import DistributedType, find_batch_size
+from accelerate.utils import DistributedType
 
 from . import privates
-from .micro_batch import Agreed, MicroBatches
+from .micro_batch import Agreed, MicroBatches, sample_count
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
 # Accelerate's per-step wrappers (which cost ~0.6 ms/step on a small model, mostly a package lookup).
@@ -99,7 +99,7 @@ class Updater:
         self.repeats_at = len(window) - 1 if getattr(window, "repeats_last", False) else None
         loss_mean, n_sum = self.micro.run(self, window)  # _forward_backward, redone smaller on out of memory
         samples = window[:-1] if self.repeats_at is not None else window
-        self.meter.updated(sum(find_batch_size(b) or 0 for b in samples), n_sum)
+        self.meter.updated(sum(sample_count(b) or 0 for b in samples), n_sum)
         clipped = self._clip() if self.max_grad_norm > 0 else None
         checked = self._checked_norm(clipped)
         grad_norm = checked if checked is not None else clipped

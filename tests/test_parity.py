@@ -212,3 +212,53 @@ def test_the_samples_in_each_ranks_last_batch_are_where_accelerate_puts_them(n, 
         seen.append(sum(real))
     expected = None if all(k == batch for k in seen) else seen
     assert got == [expected] * ranks
+
+
+TEXT_RECIPE = """
+import sys
+
+import datasets
+import torch
+from torch import nn
+
+defaults = {"learning_rate": 0.01, "lr_scheduler_type": "constant", "weight_decay": 0.0}
+
+
+def build_model(ctx):
+    torch.manual_seed(0)
+    return nn.EmbeddingBag(256, 1, mode="sum", padding_idx=0)  # a sample's output does not depend on its padding
+
+
+def build_data(ctx):  # a text column that loss tokenizes itself, no collate: each batch holds a list of strings
+    texts = [f"sample {i} " + "ab" * (i % 5) for i in range(37)]
+    return {"train": datasets.Dataset.from_dict({"text": texts, "label": [float(i % 3) for i in range(37)]})}
+
+
+def loss(model, batch):
+    ids = nn.utils.rnn.pad_sequence([torch.tensor(list(t.encode())) for t in batch["text"]], batch_first=True)
+    y = torch.as_tensor(batch["label"]).float()
+    return nn.functional.mse_loss(model(ids).squeeze(1), y), len(y)
+
+
+if __name__ == "__main__":
+    from accel_trainer import run
+
+    run(sys.modules[__name__])
+"""
+
+
+def test_a_batch_with_a_text_column_trains_and_its_last_batch_is_cut_like_its_tensors(tmp_path):
+    """A batch {"text": [strings], "label": tensor} (a datasets column the loss tokenizes itself): the sample count
+    is the label's, not Accelerate's find_batch_size's TypeError on the strings, and the last batch of an epoch
+    (37 samples, global batch 16) is cut to its real samples in both columns, so 2 processes give 1 process's
+    weights and losses."""
+    script = tmp_path / "text_column.py"
+    script.write_text(TEXT_RECIPE)
+    args = ["--max_steps", "6", "--logging_steps", "1", "--save_steps", "0", "--disable_tqdm"]
+    for nproc, batch in ((1, 16), (2, 8)):
+        run(str(script), ["--output_dir", tmp_path / str(nproc), "--per_device_train_batch_size", batch] + args,
+            nproc=nproc, timeout=300)  # fmt: skip
+        assert run_config(tmp_path / str(nproc))["num_processes"] == nproc
+    assert_same_weights(weights(tmp_path / "2"), weights(tmp_path / "1"))
+    losses = [[r["loss"] for r in metrics(tmp_path / str(n)) if "loss" in r] for n in (1, 2)]
+    assert len(losses[0]) == 6 and losses[1] == pytest.approx(losses[0], rel=1e-5)
