@@ -478,3 +478,12 @@ def test_an_ema_that_does_not_continue_is_said_and_one_of_another_shape_is_refus
     rehash(folder)
     with pytest.raises(CheckpointError, match=r"ema.safetensors does not fit this model \(0.weight: \(33, 17\)"):
         make(ema_run, max_steps=8, ema_decay=0.9, resume_from_checkpoint="latest")
+
+
+def test_another_seed_in_the_middle_of_an_epoch_is_refused(trained, tmp_path):
+    """The epoch's order is a function of (seed, epoch): continued with another --seed, the rest of the epoch
+    would repeat some samples and skip others (before: accepted without a word)."""
+    out = copy_run(trained, tmp_path / "run")
+    with pytest.raises(CheckpointError, match=r"written with seed=42 in the middle of epoch 0; this run's seed=7 "):
+        make(out, max_steps=16, seed=7, resume_from_checkpoint=str(out / "checkpoints" / "step_4"))
+    assert make(out, max_steps=16, seed=42, resume_from_checkpoint=str(out / "checkpoints" / "step_4")).global_step == 4

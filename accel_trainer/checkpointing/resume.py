@@ -267,6 +267,13 @@ def resumed_position(saved: dict, path: str, args, world: int, streaming: bool =
             f"{old_global // (args.gradient_accumulation_steps * world) or 1} on {world} processes), or pass "
             "--allow_global_batch_change to continue with another (not exact: see docs/fault-tolerance.md)."
         )
+    if saved["batch_in_epoch"] and saved.get("seed", args.seed) != args.seed:  # older checkpoints lack the seed
+        raise CheckpointError(
+            f"Checkpoint {path} was written with --seed {saved['seed']} in the middle of epoch {saved['epoch']}; "
+            f"this run's --seed {args.seed} orders that epoch otherwise, so some of its samples would be trained on "
+            f"twice and others not at all. Resume with --seed {saved['seed']} (or from a checkpoint at an epoch's "
+            "end, where another seed orders the epochs after it)."
+        )
     seen = saved["batch_in_epoch"] * old_micro  # samples of this epoch already trained on
     window = new_micro * args.gradient_accumulation_steps
     return seen // window * args.gradient_accumulation_steps  # whole updates; exact when the batch is kept
