@@ -125,8 +125,12 @@ def test_pickle_that_runs_code_is_refused_and_not_run(trained, tmp_path, victim)
     )
     assert marker.exists()
     marker.unlink()
-    with pytest.raises(CheckpointError, match=rf"{victim}.*cannot be loaded safely.*not run"):
+    # The line names what was refused, not torch's advice to load it with weights_only=False (cut at that advice,
+    # it read like the fix).
+    with pytest.raises(CheckpointError, match=rf"{victim} holds pickled code or objects that a safe load refuses") as e:
         make(out, max_steps=16, resume_from_checkpoint=str(folder))
+    assert "GLOBAL posix.system" in str(e.value) and "nothing in it was run" in str(e.value)
+    assert "Do not load it with weights_only=False" in str(e.value) and "Re-running" not in str(e.value)
     assert not marker.exists()
     # 'latest' refuses it too and falls back to step_8
     t = make(out, max_steps=16, resume_from_checkpoint="latest")
@@ -487,3 +491,25 @@ def test_another_seed_in_the_middle_of_an_epoch_is_refused(trained, tmp_path):
     with pytest.raises(CheckpointError, match=r"written with seed=42 in the middle of epoch 0; this run's seed=7 "):
         make(out, max_steps=16, seed=7, resume_from_checkpoint=str(out / "checkpoints" / "step_4"))
     assert make(out, max_steps=16, seed=42, resume_from_checkpoint=str(out / "checkpoints" / "step_4")).global_step == 4
+
+
+def test_a_safe_file_in_torchs_legacy_format_resumes(trained, tmp_path):
+    """torch.save's pre-zipfile format cannot be memory-mapped; the safe test-load read it whole instead of refusing
+    a file that load_state reads fine (it said "cannot be loaded safely (mmap can only be used ...)")."""
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_8"
+    scheduler = torch.load(folder / "scheduler.bin", weights_only=True)
+    torch.save(scheduler, folder / "scheduler.bin", _use_new_zipfile_serialization=False)
+    rehash(folder)
+    assert make(out, max_steps=16, resume_from_checkpoint=str(folder)).global_step == 8
+
+
+def test_a_run_folder_or_a_file_given_for_a_checkpoint_names_what_to_pass(trained, tmp_path):
+    """Before: "not a checkpoint of ours (trainer_state.json missing)" naming no fix, and "no such folder" for a
+    file that exists."""
+    out = tmp_path / "new"
+    with pytest.raises(CheckpointError, match=rf"it is a run's output_dir: pass {re.escape(str(trained))}/checkpoints/"
+                       r"step_12, or 'latest' with output_dir="):  # fmt: skip
+        make(out, max_steps=16, resume_from_checkpoint=str(trained))
+    with pytest.raises(CheckpointError, match=r"model.safetensors': a file, not a folder. Pass a checkpoint folder"):
+        make(out, max_steps=16, resume_from_checkpoint=str(trained / "model.safetensors"))

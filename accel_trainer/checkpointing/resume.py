@@ -139,12 +139,21 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
             f"{checkpoints_root(output_dir)} is usable; the newest: {errors[0]}"
         )
     if not os.path.isdir(spec):
+        what = "a file, not a folder" if os.path.exists(spec) else "no such folder"
         raise CheckpointError(
-            f"--resume_from_checkpoint {spec}: no such folder. Pass a checkpoint folder "
+            f"--resume_from_checkpoint {spec}: {what}. Pass a checkpoint folder "
             f"(output_dir/checkpoints/step_<N>), 'latest' or 'auto'."
         )
     if not os.path.isfile(os.path.join(spec, STATE_FILE)):
-        raise CheckpointError(f"--resume_from_checkpoint {spec}: not a checkpoint of ours ({STATE_FILE} missing).")
+        steps = list_checkpoints(spec)  # the run's output_dir given instead of one of its checkpoints
+        fix = (
+            f"it is a run's output_dir: pass {steps[-1]}, or 'latest' with --output_dir {spec}"
+            if steps
+            else "pass a folder output_dir/checkpoints/step_<N> that accel-trainer wrote"
+        )
+        raise CheckpointError(
+            f"--resume_from_checkpoint {spec}: not a checkpoint of ours ({STATE_FILE} missing): {fix}."
+        )
     verify_checkpoint(spec, log)
     return spec
 

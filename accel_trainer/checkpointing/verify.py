@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import pickle
 import re
 import stat
 
@@ -235,12 +236,29 @@ def check_safe_to_load(path: str, manifest: dict):
         if not rel.endswith(_PICKLED):
             continue
         try:
-            load(file, map_location="cpu", mmap=True)
+            try:
+                load(file, map_location="cpu", mmap=True)
+            except RuntimeError as e:  # a legacy (pre-zipfile) torch.save file cannot be mapped: read it
+                if "mmap" not in str(e):
+                    raise
+                load(file, map_location="cpu")
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"Checkpoint {path}: {file} holds pickled code or objects that a safe load refuses ({_refused(e)}); "
+                "nothing in it was run. Do not load it with weights_only=False: resume from another checkpoint."
+            ) from None
         except Exception as e:  # noqa: BLE001 - any failure means the file cannot be restored
             raise CheckpointError(
                 f"Checkpoint {path}: {file} cannot be loaded safely ({why(e)}). Pickled code "
                 "and arbitrary objects are refused (weights_only=True) and were not run."
             ) from None
+
+
+def _refused(error: Exception) -> str:
+    """What torch's weights_only unpickler refused (the GLOBAL it names), not the text around it: torch's message
+    first tells how to load the file with weights_only=False, which would run the code."""
+    lines = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line]
+    return (lines[0] if lines else "weights_only=True refused it").rstrip(".")[:200]
 
 
 # ------------------------------------------------------------------------------- sharded (FSDP2) checkpoints, DCP
