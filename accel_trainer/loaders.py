@@ -15,6 +15,7 @@ recipe's own batch loader or a DataLoader that Accelerate shards over the proces
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -89,7 +90,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
             DataLoader(
                 dataset,
                 sampler=train_sampler(dataset, args.seed) if train else None,
-                collate_fn=data.get("collate"),
+                collate_fn=data.get("collate") or functools.partial(default_collate, recipe_name),
                 num_workers=args.dataloader_num_workers,
                 batch_size=batch_size,
                 drop_last=drop_last,
@@ -105,6 +106,23 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
 
     train = loader(data["train"], True)
     return train, loader(data.get("eval"), False), stream or MapPosition(train, accelerator)
+
+
+def default_collate(recipe_name: str, samples: list):
+    """torch's default collate, its failure on samples of different sizes one line naming the fix (it said only
+    "stack expects each tensor to be equal size", from inside the DataLoader)."""
+    try:
+        return torch.utils.data.default_collate(samples)
+    except RuntimeError as e:
+        # in a worker process torch stacks into shared memory sized from the first sample, and says "Trying to
+        # resize storage that is not resizable" instead
+        if "equal size" not in str(e) and "not resizable" not in str(e):
+            raise
+        raise RecipeError(
+            f"Recipe {recipe_name}: its samples hold tensors of different sizes, which the default collate cannot "
+            f"stack into a batch ({str(e).splitlines()[0]}): give build_data a 'collate' that pads them (e.g. "
+            "transformers' DataCollatorWithPadding, or torch.nn.utils.rnn.pad_sequence), or pad them in the dataset."
+        ) from None
 
 
 def check_lengths_agree(accelerator, train_loader, eval_loader, recipe_name: str):

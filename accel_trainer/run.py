@@ -49,7 +49,10 @@ def _run(recipe, argv):
 def _error_line(error: BaseException) -> None:
     """`error: <message>` on stderr in one write: print() writes the text and its newline separately, and under
     a launcher (unbuffered output) two ranks' lines were seen glued into one."""
-    line = f"error: {error}\n"
+    text = str(error)
+    if "\nOriginal Traceback" in text:  # raised in a DataLoader worker: the worker's traceback, then our line
+        text = text.strip().splitlines()[-1].split(": ", 1)[-1]
+    line = f"error: {text}\n"
     sys.stderr.flush()
     try:
         os.write(sys.stderr.fileno(), line.encode())

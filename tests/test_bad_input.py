@@ -297,3 +297,26 @@ def test_a_newcomers_recipe_mistake_is_one_line_naming_the_fix(model, data, mess
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [proc.stderr.strip()]  # one line
     assert message in proc.stderr, proc.stderr
     assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_samples_of_different_sizes_without_a_collate_are_one_line_naming_the_fix(workers, tmp_path):
+    """Token ids of different lengths and no 'collate': torch's default collate said "stack expects each tensor to
+    be equal size" (in a worker process: "Trying to resize storage that is not resizable") in a traceback."""
+    recipe = tmp_path / "ragged.py"
+    ragged = "[(torch.ones(1 + i % 3), torch.zeros(1)) for i in range(64)]"
+    recipe.write_text(
+        NEWCOMER.format(model="return nn.Linear(8, 1)", data=f'{{"train": {ragged}}}')
+        + "\nif __name__ == '__main__':\n    import sys\n    from accel_trainer import run\n\n    run(sys.modules[__name__])\n"
+    )
+    args = ["--output_dir", tmp_path / "o", "--dataloader_num_workers", workers, "--disable_tqdm"]
+    proc = run(str(recipe), args, check=False, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [proc.stderr.strip().splitlines()[-1]] and len(errors) == 1, proc.stderr
+    assert "error: Recipe ragged: its samples hold tensors of different sizes, which the default collate cannot " \
+           "stack into a batch (" in errors[0], errors[0]  # fmt: skip
+    assert errors[0].endswith(
+        "): give build_data a 'collate' that pads them (e.g. transformers' "
+        "DataCollatorWithPadding, or torch.nn.utils.rnn.pad_sequence), or pad them in the dataset."
+    )
