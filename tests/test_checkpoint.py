@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -161,6 +162,7 @@ def test_another_global_batch_is_refused(trained, tmp_path):
     state = json.load(open(folder / "trainer_state.json"))
     state["num_processes"] = 2
     json.dump(state, open(folder / "trainer_state.json", "w"))
+    shutil.copy(folder / "random_states_0.pkl", folder / "random_states_1.pkl")  # each writing rank's RNG state
     write_manifest(str(folder), state)
     # 2 processes x 16 then, 1 x 16 now: another world size is fine, another global batch is not
     # the Python API names the keyword (the command line: --allow_global_batch_change)
