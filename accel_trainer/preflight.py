@@ -29,8 +29,8 @@ cannot train on one (BatchNorm over [batch, features]) would otherwise fail at t
 `ACCEL_TRAINER_RECIPE_CHECK=0` skips the check (a run whose metric is known to fail, to keep its model).
 
 A bare 0-d loss (`return out.loss`, the transformers habit) is accepted: `counting_items` weighs it by the batch's
-sample count (micro_batch.sample_count: its first tensor's first dimension) everywhere the loss is used (update, evaluation), and the check says so
-once.
+sample count (micro_batch.sample_count: its first tensor's first dimension) everywhere the loss is used (update,
+evaluation), and the check says so once.
 """
 
 from __future__ import annotations

@@ -145,16 +145,16 @@ def verify_checkpoint(path: str, log=None) -> dict:
             raise CheckpointError(f"Checkpoint {path}: {file} cannot be read ({why(e)}).") from None
         if digest != meta["sha256"]:
             raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
-    check_state(path)
-    check_complete(path, manifest)
+    state = check_state(path)
+    check_complete(path, manifest, state)
     check_safe_to_load(path, manifest)
     check_safetensors(path, manifest)
     check_dcp_metadata_safe(path, manifest)  # a sharded (FSDP) checkpoint's DCP metadata, read with plain pickle
     return manifest
 
 
-def check_state(path: str):
-    """trainer_state.json is a JSON object with the integers a resume reads."""
+def check_state(path: str) -> dict:
+    """trainer_state.json is a JSON object with the integers a resume reads; returns it."""
     file = os.path.join(path, STATE_FILE)
     try:
         state = read_state(path)
@@ -180,14 +180,14 @@ def check_state(path: str):
             "from 0, processes and batch sizes from 1, skipped_steps and best_step up to global_step, best_metric "
             "a finite number or null): it cannot be resumed."
         )
+    return state
 
 
-def check_complete(path: str, manifest: dict):
+def check_complete(path: str, manifest: dict, state: dict):
     """The manifest lists what every checkpoint of ours holds: the model, the optimizer and the scheduler (full
     files, or under FSDP the DCP folders) and each writing rank's RNG state. Accelerate's load_state skips a missing
     RNG file with a log line, so a checkpoint without one resumed with other random numbers (dropout), silently."""
-    files = manifest["files"]
-    ranks = read_state(path)["num_processes"]
+    files, ranks = manifest["files"], state["num_processes"]
 
     def has(name: str, folder: str | None = None) -> bool:
         return name in files or (folder is not None and any(rel.startswith(folder + "/") for rel in files))
@@ -258,7 +258,8 @@ def _refused(error: Exception) -> str:
     """What torch's weights_only unpickler refused (the GLOBAL it names), not the text around it: torch's message
     first tells how to load the file with weights_only=False, which would run the code."""
     lines = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line]
-    return (lines[0] if lines else "weights_only=True refused it").rstrip(".")[:200]
+    # its first sentence: older torch goes on in the same line with how to allow the global (add_safe_globals)
+    return (lines[0].split(". ")[0] if lines else "weights_only=True refused it").rstrip(".")[:200]
 
 
 # ------------------------------------------------------------------------------- sharded (FSDP2) checkpoints, DCP
