@@ -271,10 +271,10 @@ class MapPosition:
     def load_state_dict(self, state: dict):
         self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
 
-    def save_rank_files(self, folder: str):
+    def save_rank_files(self, folder: str, step: int):
         pass
 
-    def load_rank_files(self, folder: str):
+    def load_rank_files(self, folder: str, step: int):
         pass
 
 

@@ -36,34 +36,6 @@ def mark_partial_state_fsdp() -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def prepared(acc) -> dict:
-    """What Accelerate's save_state/load_state read from the Accelerator: the prepare()d models, optimizers,
-    schedulers and data loaders, register_for_checkpointing's objects and register_save_state_pre_hook's hooks.
-    Why private: the Accelerator keeps them in private lists and no public API lists them; save_state, the public
-    way, writes everything at once (it cannot write the small files now and the weights later from a copy), and
-    load_state needs model.safetensors/optimizer.bin (it cannot load a sharded checkpoint into a run without FSDP)."""
-    return {
-        "models": acc._models,
-        "optimizers": acc._optimizers,
-        "schedulers": acc._schedulers,
-        "dataloaders": acc._dataloaders,
-        "custom_objects": acc._custom_objects,
-        "save_hooks": list(acc._save_model_state_pre_hook.values()),
-    }
-
-
-def fsdp_state_dict_options(plugin):
-    """The state-dict options (full or sharded, CPU offload) that save_fsdp_model/save_fsdp_optimizer derive from
-    the FSDP plugin. Why private: accelerate.utils.fsdp_utils._prepare_sd_options is the only statement of those
-    rules; the public savers apply it inside and write at once."""
-    from accelerate.utils.fsdp_utils import _prepare_sd_options
-
-    return _prepare_sd_options(plugin)
-
-
-# ------------------------------------------------------------------------------------------------------- torch
-
-
 def uncompiled(model):
     """The module torch.compile wrapped (OptimizedModule._orig_mod), or `model` itself when it is not compiled.
     Why private: torch has no public accessor for a compiled module's original; Accelerate's own
@@ -128,15 +100,6 @@ def batchnorm_base():
     from torch.nn.modules.batchnorm import _BatchNorm
 
     return _BatchNorm
-
-
-def dcp_storage_info_class():
-    """torch.distributed.checkpoint.filesystem._StorageInfo: what a DCP checkpoint's metadata maps each chunk to
-    (checkpointing/verify.py checks the unpickled metadata holds it, and its allow-list of classes names it). Why
-    private: FileSystemReader's metadata holds this class, which torch does not export."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    return _StorageInfo
 
 
 def flight_recorder_json() -> str:

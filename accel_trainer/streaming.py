@@ -23,7 +23,7 @@ from accelerate.utils import send_to_device
 
 from .errors import UserError
 
-STATE_FILE = "data_state_rank{rank}.pt"
+STATE_FILE = "data_state_rank{rank}.json"
 
 
 class StreamError(UserError):
@@ -177,13 +177,15 @@ class Stream:
     def load_state_dict(self, state: dict):
         self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
 
-    def save_rank_files(self, folder: str):
-        """This rank's position: its epoch and batch counters and the loader's state (plain containers, ints and
-        tensors, so the checkpoint check test-loads it with weights_only)."""
-        state = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": self.state}
-        torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.rank)))
+    def save_rank_files(self, folder: str, step: int):
+        """This rank's position: its epoch and batch counters and the loader's state (plain containers, numbers and
+        tensors: a JSON state file, checkpointing/codec.py)."""
+        from .checkpointing.state import write_json
 
-    def load_rank_files(self, folder: str):
+        state = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": self.state}
+        write_json(folder, STATE_FILE.format(rank=self.rank), step, state)
+
+    def load_rank_files(self, folder: str, step: int):
         path = os.path.join(folder, STATE_FILE.format(rank=self.rank))
         if not os.path.isfile(path):
             raise StreamError(
@@ -191,7 +193,11 @@ class Stream:
                 "this world size, so this rank's position in the stream is unknown. Resume with the same data and "
                 "number of processes, or start anew (--overwrite_output_dir)."
             )
-        state = torch.load(path, weights_only=True)
+        from .checkpointing.verify import read_state_file
+
+        state = read_state_file(folder, path, step)
+        if not (isinstance(state, dict) and {"epoch", "batch_in_epoch", "loader"} <= set(state)):
+            raise StreamError(f"Checkpoint {folder}: {path} does not hold a stream's position; resume from another.")
         self.epoch, self.batch_in_epoch, self.state = state["epoch"], state["batch_in_epoch"], state["loader"]
         set_epoch(self.loader, self.epoch)
         if self.state is not None:

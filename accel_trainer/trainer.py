@@ -163,7 +163,7 @@ class Trainer:
         me = weakref.ref(self)
         self.checkpoints = CheckpointManager(
             acc, args, state=[self.progress, self.data, self.updater], data=self.data, model=self.model,
-            optimizer=self.optimizer, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
+            optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
             fire=lambda event, *a: me().events.fire(event, me(), *a), before_save=lambda: me().log(),
             save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
             if self.sharded else None, tokenizer=self.tokenizer,

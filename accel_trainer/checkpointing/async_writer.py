@@ -6,18 +6,16 @@
                                                             # and on every way out of fit() (bounded: timeout_s)
     writer.failed / writer.error                            # set by the background thread
 
-What `accelerator.save_state(tmp)` writes, with the same names and format (`load_state` reads it unchanged):
+What a synchronous save writes (checkpointing/state.py), with the same names and bytes:
 
-- in the training thread, synchronously: the small files (scheduler, sampler, scaler, per-rank RNG, registered
-  objects) through Accelerate's own `save_accelerator_state` given no model and no optimizer: the RNG states must be
-  those of this update anyway, and these files are kilobytes;
+- in the training thread, synchronously: state.capture() of this update (the model's and optimizer's state dicts,
+  the scheduler, scaler and this rank's RNG states), and the small JSON files written at once (kilobytes; the RNG
+  states must be those of this update anyway);
 - in the training thread: a copy of the model and optimizer state dicts to CPU memory by torch's DCP stager
   (`DefaultStager`: tensors sharing storage stay shared, as GPT-2's tied embedding must for the safetensors file to
-  be the synchronous one; pinned memory where there is a GPU; the staging memory is reused from one save to the
-  next). This copy is the stall;
-- in a background thread: the copies written as `save_state` writes them (accelerate's `save`: model.safetensors
-  and optimizer.bin on the main process; FSDP2: `dcp.save` of `{"model": ...}` / `{"optimizer": ...}` into
-  pytorch_model_fsdp_0/ and optimizer_0/, as accelerate's save_fsdp_model/optimizer do), then `commit()`.
+  be the synchronous one; pinned memory where there is a GPU). This copy is the stall;
+- in a background thread: state.write_tensors() of the copies (model.safetensors and the optimizer's files on the
+  main process; FSDP2: each rank's DCP safetensors shards), then `commit()`.
 
 Several processes: the background threads talk over their own gloo group (a collective from a second thread on
 the training group could interleave with the training's collectives). After writing, the ranks exchange their
@@ -26,21 +24,16 @@ every rank wrote its part, and tells the others whether the commit worked. So ev
 and the Trainer stops all of them at the same update (the preemption vote) when it is a failure.
 
 The GPU paths (pinned staging, non-blocking copies, then a device synchronize before training goes on) are torch's;
-this module's handling of them was read twice but has not yet run on a GPU. There the files hold the same values,
-but optimizer.bin records CPU tensors where the synchronous file records the GPU's: load_state reads both with
-map_location="cpu" (its default), so a resume is the same.
+this module's handling of them was read twice but has not yet run on a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from datetime import timedelta
-from types import SimpleNamespace
 
-from accelerate.utils import DistributedType
-
-from .. import privates
 from ..errors import UserError
 
 
@@ -60,10 +53,10 @@ class AsyncWriter:
         self.on_failure = None  # called from the background thread when the outcome is a failure (all ranks)
 
     # ------------------------------------------------------------------------------------------- training thread
-    def start(self, tmp: str, commit, on_staged=None, guard=None):
-        """Write accelerator's state into `tmp` in the background; `commit()` runs on the main process once every
-        rank's files are there. `guard()`: a context manager around the writes (a full disk -> one line). Returns
-        once the state is copied. The previous write must have been waited for."""
+    def start(self, tmp: str, captured, commit, on_staged=None, guard=None):
+        """Write the model and optimizer files of `captured` (state.capture) into `tmp` in the background; `commit()`
+        runs on the main process once every rank's files are there. `guard()`: a context manager around the writes
+        (a full disk -> one line). Returns once the state is copied. The previous write must have been waited for."""
         assert self._thread is None, "wait() for the previous checkpoint first"
         self.error = None
         acc = self.accelerator
@@ -71,7 +64,9 @@ class AsyncWriter:
             import torch.distributed as dist
 
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-        big = self._copy_state(tmp)
+        big = dataclasses.replace(
+            captured, **self._stage({"weights": captured.weights, "optimizer": captured.optimizer})
+        )
         self._tmp = tmp
         self._thread = threading.Thread(
             target=self._write, args=(tmp, big, commit, on_staged, guard), name="accel-trainer-checkpoint", daemon=True
@@ -109,40 +104,6 @@ class AsyncWriter:
             dist.destroy_process_group(self._group)
             self._group = None
 
-    def _copy_state(self, tmp: str) -> list:
-        """The stall: small files written now, model and optimizer state copied to CPU memory."""
-        from accelerate.checkpointing import save_accelerator_state, save_custom_state
-
-        acc = self.accelerator
-        prepared = _prepared(acc)
-        fsdp = acc.distributed_type == DistributedType.FSDP
-        if acc.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-            assert fsdp, f"--save_async does not support {acc.distributed_type}"  # checked with the arguments
-        weights, optims = [], []
-        if fsdp:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-            options = prepared.fsdp_options
-            weights = [get_model_state_dict(m, options=options) for m in prepared.models]
-            optims = [
-                get_optimizer_state_dict(prepared.models[i], o, options=options)
-                for i, o in enumerate(prepared.optimizers)
-            ]
-        else:
-            weights = [acc.get_state_dict(m, unwrap=False) for m in prepared.models]
-            optims = [o.state_dict() for o in prepared.optimizers]
-        for hook in prepared.save_hooks:  # as save_state: hooks may edit the weights
-            hook(prepared.models, weights, tmp)
-        save_accelerator_state(  # no model, no optimizer: scheduler, sampler, scaler, this update's RNG states
-            tmp, [], [], prepared.schedulers, prepared.dataloaders, acc.state.process_index, acc.step, acc.scaler,
-            save_on_each_node=acc.project_configuration.save_on_each_node,
-        )  # fmt: skip
-        for i, obj in enumerate(prepared.custom_objects):
-            save_custom_state(obj, tmp, i, save_on_each_node=acc.project_configuration.save_on_each_node)
-        acc.project_configuration.iteration += 1
-        staged = self._stage({"weights": weights, "optims": optims})
-        return [fsdp, staged["weights"], staged["optims"]]
-
     def _stage(self, state):
         import torch
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -162,11 +123,13 @@ class AsyncWriter:
             stager.close()
 
     # ----------------------------------------------------------------------------------------- background thread
-    def _write(self, tmp: str, big: list, commit, on_staged, guard):
+    def _write(self, tmp: str, big, commit, on_staged, guard):
+        from . import state as ckpt_state
+
         error: BaseException | None = None
         try:
             with guard() if guard is not None else contextlib.nullcontext():
-                self._write_files(tmp, *big)
+                ckpt_state.write_tensors(tmp, big, self.accelerator.is_main_process, self._group)
             if on_staged is not None:
                 on_staged(tmp)
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the training thread
@@ -184,35 +147,6 @@ class AsyncWriter:
             self.error = error if isinstance(error, UserError) else _one_line(error, tmp)
             if self.on_failure is not None:
                 self.on_failure()
-
-    def _write_files(self, tmp: str, fsdp: bool, weights: list, optims: list):
-        import os
-
-        from accelerate.utils import save
-        from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
-
-        on_each_node = self.accelerator.project_configuration.save_on_each_node
-        if fsdp:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-            for key, name, states in (("model", FSDP_MODEL_NAME, weights), ("optimizer", OPTIMIZER_NAME, optims)):
-                for i, state in enumerate(states):
-                    folder = os.path.join(tmp, f"{name}_{i}")
-                    os.makedirs(folder, exist_ok=True)
-                    dcp.save(
-                        {key: state},
-                        storage_writer=dcp.FileSystemWriter(folder),
-                        planner=DefaultSavePlanner(),
-                        process_group=self._group,
-                    )
-            return
-        for i, state in enumerate(weights):  # accelerate's save writes on the main process (or each node's)
-            name = SAFE_WEIGHTS_NAME if i == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{i}.")
-            save(state, os.path.join(tmp, name), save_on_each_node=on_each_node, safe_serialization=True)
-        for i, state in enumerate(optims):
-            name = f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"
-            save(state, os.path.join(tmp, name), save_on_each_node=on_each_node, safe_serialization=False)
 
     def _agree(self, error: BaseException | None, what: str, from_main: bool = False) -> BaseException | None:
         """Every rank's outcome to every rank (bounded by the group's timeout). `from_main`: only the main
@@ -237,22 +171,6 @@ class AsyncWriter:
                     outcome if rank == self.accelerator.process_index else f"rank {rank}: {outcome}"
                 )
         return None
-
-
-def _prepared(acc) -> SimpleNamespace:
-    """What Accelerate's save_state reads from the Accelerator, in the same order; the one place this module reads
-    Accelerate's privates. Why: no public API lists what prepare() and register_for_checkpointing() hold (the
-    Accelerator keeps them in private lists), and save_state, the public way, writes everything at once: it cannot
-    write the small files now and the model and optimizer later from a copy. Its public building blocks are used
-    for the rest (save_accelerator_state, save_custom_state, get_state_dict, accelerate.utils.save)."""
-    fsdp_options = None
-    if acc.distributed_type == DistributedType.FSDP:
-        # The state-dict options save_fsdp_model/save_fsdp_optimizer derive from the FSDP plugin (full or sharded,
-        # CPU offload): a private helper of accelerate.utils.fsdp_utils, the only statement of those rules.
-        fsdp_options = privates.fsdp_state_dict_options(acc.state.fsdp_plugin)
-    # models: model.safetensors, model_1.safetensors, ...; optimizers: optimizer.bin, ...; schedulers:
-    # scheduler.bin, ...; dataloaders: their samplers' positions; custom_objects: custom_checkpoint_<i>.pkl
-    return SimpleNamespace(**privates.prepared(acc), fsdp_options=fsdp_options)
 
 
 def _one_line(error: BaseException, tmp: str) -> CheckpointWriteError:

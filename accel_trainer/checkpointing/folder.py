@@ -1,11 +1,13 @@
-"""Checkpoint folders on disk: `output_dir/checkpoints/step_<N>/`, written by `accelerate.save_state` plus our
-own `trainer_state.json` (position in the run), `ema.safetensors` (with EMA on) and, last, `manifest.json`.
+"""Checkpoint folders on disk: `output_dir/checkpoints/step_<N>/`, the run's state as state.py writes it (JSON and
+safetensors), `trainer_state.json` (position in the run), `ema.safetensors` (with EMA on) and, last,
+`manifest.json`. Files follow the umask, as any program's do.
 
 Atomicity: a checkpoint is written into `.tmp_step_<N>/`; when every process has written its part, the main
 process hashes every file (sha256, size; this also fsyncs them), writes `manifest.json` and renames the folder
 to `step_<N>`. A kill at any moment leaves either the complete folder or a `.tmp_step_<N>` that is never used.
-A write that fails for a known cause (a full disk, a permission, an object that cannot be pickled) is one line
-naming it and the last good checkpoint (disk_full_is_one_line). Reading a folder back: verify.py.
+A write that fails for a known cause (a full disk, a permission, a value a checkpoint cannot keep) is one line
+naming it and the last good checkpoint (disk_full_is_one_line). Only folders the run wrote are deleted or moved,
+by lstat (remove_folder). Reading a folder back: verify.py.
 """
 
 from __future__ import annotations
@@ -17,16 +19,15 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
-
-from safetensors.torch import save_model
 
 from ..errors import UserError
 
 STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
 MANIFEST_FILE = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 1: accel-trainer <= 0.2, Accelerate's pickle-based save_state folders
 MODEL_FILE = "model.safetensors"  # accelerate's SAFE_MODEL_NAME + ".safetensors"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$")
@@ -51,12 +52,61 @@ def checkpoints_root(output_dir: str) -> str:
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
-    """Checkpoint folders (renamed into place, so complete unless damaged afterwards), oldest first."""
+    """Checkpoint folders (renamed into place, so complete unless damaged afterwards), oldest first: entries named
+    step_<N> that are, by lstat, folders (a symbolic link or anything else of that name is not one the run wrote:
+    not_checkpoints names them)."""
+    return [path for _, path in sorted(_entries(output_dir, _STEP_DIR, folders=True))]
+
+
+def not_checkpoints(output_dir: str) -> list[str]:
+    """Entries named like a checkpoint (step_<N>) that are not folders: links, FIFOs, files."""
+    return [path for _, path in sorted(_entries(output_dir, _STEP_DIR, folders=False))]
+
+
+def _entries(output_dir: str, pattern, folders: bool) -> list[tuple[int, str]]:
     root = checkpoints_root(output_dir)
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))]
-    return [path for _, path in sorted(found)]
+    found = []
+    for d in os.listdir(root):
+        if m := pattern.match(d):
+            path = os.path.join(root, d)
+            if is_real_folder(path) == folders:
+                found.append((int(m.group(1)), path))
+    return found
+
+
+def is_real_folder(path: str) -> bool:
+    """A folder by lstat: not a link to one, not a FIFO or file named like one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def remove_folder(path: str) -> None:
+    """Delete a folder the run wrote (a checkpoint, a temporary or set-aside one), only if it is one by lstat:
+    shutil.rmtree opens what it is given, and a FIFO named like a leftover folder blocked it forever. Anything
+    else of that name is a one-line CheckpointError naming it; nothing is deleted."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else "not a folder"
+        raise CheckpointError(
+            f"{path} is {kind}, named like a folder accel-trainer writes there; it was left as it is. Move or delete "
+            "it by hand, then run again."
+        )
+    shutil.rmtree(path)
+
+
+def _move_folder(src: str, dst: str) -> None:
+    """os.replace of a folder the run wrote, only if `src` is one by lstat (remove_folder's rule)."""
+    if not is_real_folder(src):
+        remove_folder(src)  # raises, naming what it is
+        return
+    os.replace(src, dst)
 
 
 # ------------------------------------------------------------------------------------------------------- writing
@@ -71,6 +121,26 @@ def hash_file(path: str, fsync: bool = True) -> tuple[int, str]:
         if fsync:  # on disk before the rename makes the folder visible (power loss, not only kills)
             os.fsync(f.fileno())
     return size, h.hexdigest()
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it: racy with threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str):
+    """Give a file we wrote the mode any program's new file gets (0666 minus the umask): safetensors writes its
+    files 0600, which colleagues on a shared cluster cannot read."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def fsync_path(path: str):
@@ -92,7 +162,7 @@ def _files(folder: str) -> list[str]:
 def write_manifest(folder: str, state: dict) -> dict:
     """Hash every file of a finished checkpoint folder and write manifest.json (the last file written)."""
     manifest = {
-        "format": MANIFEST_FORMAT,
+        "format": MANIFEST_FORMAT,  # checkpointing.state.FORMAT: JSON and safetensors only
         "step": state["global_step"],
         "epoch": state["epoch"],
         "batch_in_epoch": state["batch_in_epoch"],
@@ -101,6 +171,7 @@ def write_manifest(folder: str, state: dict) -> dict:
         "files": {},
     }
     for rel in _files(folder):
+        follow_umask(os.path.join(folder, rel))
         size, digest = hash_file(os.path.join(folder, rel))
         manifest["files"][rel] = {"size": size, "sha256": digest}
     tmp = os.path.join(folder, MANIFEST_FILE + ".tmp")
@@ -116,37 +187,43 @@ def write_manifest(folder: str, state: dict) -> dict:
 def save_checkpoint(
     accelerator,
     output_dir: str,
-    step: int,
     state: dict,
+    captured,
     ema=None,
     save_total_limit: int | None = None,
     on_staged=None,
     async_writer=None,
     write_extra=None,
 ) -> str:
-    """Every process calls this (each saves its own RNG state). Returns the final folder. `on_staged(tmp)` runs
+    """Every process calls this (each writes its own RNG state; under FSDP its own shards). `state`: the trainer
+    state; `captured`: checkpointing.state.capture() of this update. Returns the final folder. `on_staged(tmp)` runs
     when this process's files are in the temporary folder, before the commit (fault tests kill the run there).
     `write_extra(tmp)` writes this process's own extra state (a stream's position) while training waits, with
     --save_async too: it must be taken at this update, not when the background write ends.
     With `async_writer` (async_writer.AsyncWriter, --save_async) it returns once the state is copied: the model and
     optimizer files, then the same commit, follow in the background; the folder exists only once committed."""
+    from . import state as ckpt_state
+
+    step = state["global_step"]
     root = checkpoints_root(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp_step_{step}")
     what = f"checkpoint step_{step} into {root}"
-    if accelerator.is_main_process:
+    main = accelerator.is_main_process
+    if main:
         restore_set_aside(output_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_folder(tmp)
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
     with disk_full_is_one_line(output_dir, what, tmp):
         if write_extra is not None:
             write_extra(tmp)
+        ckpt_state.write_small(tmp, captured)  # scheduler, scaler, this rank's RNG: kilobytes, at this update
         if async_writer is None:
-            accelerator.save_state(tmp)  # model (safetensors), optimizer, scheduler, scaler, sampler, per-rank RNG
-        if accelerator.is_main_process:
+            ckpt_state.write_tensors(tmp, captured, main)
+        if main:
             if ema is not None:
-                save_model(ema.module, os.path.join(tmp, EMA_FILE))
+                ckpt_state.save_weights(ema.module.state_dict(), os.path.join(tmp, EMA_FILE), step)
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=2)
 
@@ -156,18 +233,18 @@ def save_checkpoint(
         _commit(root, tmp, final, step)
         if save_total_limit:  # only committed (complete) folders are listed: the newest one always stays
             for old in list_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+                remove_folder(old)
 
     if async_writer is not None:
         with disk_full_is_one_line(output_dir, what, tmp):
             # Only a full disk becomes a message here: the writer names any other failure itself ("in the background").
             guard = lambda: disk_full_is_one_line(output_dir, what, tmp, others=False)  # noqa: E731
-            async_writer.start(tmp, commit, on_staged, guard=guard)
+            async_writer.start(tmp, captured, commit, on_staged, guard=guard)
         return final
     if on_staged is not None:
         on_staged(tmp)
     accelerator.wait_for_everyone()  # every rank's files are in tmp
-    if accelerator.is_main_process:
+    if main:
         commit()
     accelerator.wait_for_everyone()
     return final
@@ -236,7 +313,7 @@ def disk_full_is_one_line(output_dir: str, what: str, partial: str | None = None
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         if full:
             if partial is not None:
-                shutil.rmtree(partial, ignore_errors=True) if os.path.isdir(partial) else _remove(partial)
+                shutil.rmtree(partial, ignore_errors=True) if is_real_folder(partial) else _remove(partial)
             raise DiskFullError(
                 f"The disk is full: writing {what} failed ({type(e).__name__}: {first}); {last}. Free space there, "
                 f"then {then}."
@@ -267,6 +344,7 @@ def write_file_atomically(path: str, write, output_dir: str, what: str) -> str:
             os.fsync(fd)
         finally:
             os.close(fd)
+    follow_umask(tmp)
     os.replace(tmp, path)
     fsync_path(os.path.dirname(os.path.abspath(path)))
     return path
@@ -287,12 +365,12 @@ def _commit(root: str, tmp: str, final: str, step: int):
     in place: a kill in between leaves `.old_step_<N>`, which restore_set_aside puts back. Never a moment without
     a complete step_<N>-or-its-copy on disk."""
     old = os.path.join(root, f".old_step_{step}")
-    if os.path.isdir(final):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
+    if os.path.lexists(final):
+        remove_folder(old)
+        _move_folder(final, old)
     os.replace(tmp, final)
     fsync_path(root)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_folder(old)
 
 
 def restore_set_aside(output_dir: str) -> list[str]:
@@ -300,13 +378,13 @@ def restore_set_aside(output_dir: str) -> list[str]:
     one whose replacement is in place. Main process, before checkpoints are listed or written."""
     root = checkpoints_root(output_dir)
     restored = []
-    for d in os.listdir(root) if os.path.isdir(root) else []:
+    for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         if m := _OLD_DIR.match(d):
             final = os.path.join(root, f"step_{m.group(1)}")
-            if os.path.isdir(final):
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            if os.path.lexists(final):
+                remove_folder(os.path.join(root, d))
             else:
-                os.replace(os.path.join(root, d), final)
+                _move_folder(os.path.join(root, d), final)
                 restored.append(final)
     return restored
 
@@ -321,21 +399,16 @@ def set_aside_newer(output_dir: str, step: int) -> tuple[list[str], str | None]:
     aside = os.path.join(checkpoints_root(output_dir), f"superseded-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(aside, exist_ok=True)
     for path in newer:
-        os.replace(path, os.path.join(aside, os.path.basename(path)))
+        _move_folder(path, os.path.join(aside, os.path.basename(path)))
     fsync_path(checkpoints_root(output_dir))
     return newer, aside
 
 
 # ------------------------------------------------------------------------------------------------------- reading
-def read_state(path: str) -> dict:
-    with open(os.path.join(path, STATE_FILE)) as f:
-        return json.load(f)
-
-
 def remove_stale_tmp(output_dir: str) -> list[str]:
     """Delete `.tmp_step_*` folders that a killed save left behind (main process, before training)."""
     root = checkpoints_root(output_dir)
     stale = [os.path.join(root, d) for d in (os.listdir(root) if os.path.isdir(root) else []) if _TMP_DIR.match(d)]
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
+    for path in sorted(stale):
+        remove_folder(path)
     return stale

@@ -12,8 +12,8 @@ The run state is the components' `state_dict()`s (the Trainer's Progress, the da
 or streaming.Stream --, the Updater's K), merged into trainer_state.json, one key per value (the format is that of
 earlier versions), with the run's shape that resume.py checks a resume against. The data position also writes
 per-rank files (a stream's position) through the same save, while training waits, --save_async or not. The model,
-optimizer, scheduler, scaler and RNG states are Accelerate's save_state; the EMA weights a file of their own
-(folder.py).
+optimizer, scheduler, scaler and RNG states are state.py's files (JSON and safetensors, no pickle); the EMA
+weights a file of their own (folder.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..update import is_plain_torch
 from . import folder as ckpt_folder
 from . import pretrained
 from . import resume as ckpt_resume
+from . import state as ckpt_state
 
 AFTER_TRAINING_TRACEBACK = "error_after_training.txt"  # a bug's traceback, named by AfterTrainingError's line
 PREVIOUS_RUN_FILES = (
@@ -137,12 +138,12 @@ class CheckpointManager:
     transformers model."""
 
     def __init__(
-        self, accelerator, args, *, state: list, data, model, optimizer, ema, preemption, say, fire, before_save,
-        save_full_model=None, tokenizer=None,
+        self, accelerator, args, *, state: list, data, model, optimizer, scheduler, ema, preemption, say, fire,
+        before_save, save_full_model=None, tokenizer=None,
     ):  # fmt: skip
         self.accelerator, self.args = accelerator, args
         self.components, self.data = state, data
-        self.model, self.optimizer, self.ema = model, optimizer, ema
+        self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
         self.preemption, self.say, self.fire, self.before_save = preemption, say, fire, before_save
         self.save_full_model = save_full_model
         self.tokenizer = tokenizer
@@ -170,13 +171,13 @@ class CheckpointManager:
         position its per-rank files (a stream's position: they differ by rank)."""
         acc = self.accelerator
         state, position = ckpt_resume.resume(
-            acc, path, self.args, self.model, self.optimizer, ema=self.ema, streaming=self.data.per_rank,
-            say=self.say,
+            acc, path, self.args, self.model, self.optimizer, self.scheduler, ema=self.ema,
+            streaming=self.data.per_rank, say=self.say,
         )  # fmt: skip
         here = {**state, "batch_in_epoch": position}  # this rank's place in the epoch on this world size
         for component in self.components:
             component.load_state_dict(here)
-        self.data.load_rank_files(path)
+        self.data.load_rank_files(path, state["global_step"])
         moved = "" if state["num_processes"] == acc.num_processes else (
             f", written by {state['num_processes']} processes: batch {state['batch_in_epoch']} there"
         )  # fmt: skip
@@ -190,16 +191,21 @@ class CheckpointManager:
         self.wait()  # one write at a time: the staging memory is reused, the order kept
         state = self.state_dict()
         step = state["global_step"]
+        acc = self.accelerator
+        captured = ckpt_state.capture(
+            acc, self.model, self.optimizer, self.scheduler, step, acc.distributed_type == DistributedType.FSDP
+        )
         path = ckpt_folder.save_checkpoint(
-            self.accelerator,
+            acc,
             self.args.output_dir,
-            step,
             state,
+            captured,
             ema=self.ema,
             save_total_limit=self.args.save_total_limit,
             on_staged=lambda folder: self.fire("checkpoint_staged", folder),
             async_writer=self.writer,
-            write_extra=self.data.save_rank_files,  # this rank's data position at this update, also under --save_async
+            # this rank's data position at this update, also under --save_async
+            write_extra=lambda folder: self.data.save_rank_files(folder, step),
         )
         self.saved_step = step
         if self.writer is None:

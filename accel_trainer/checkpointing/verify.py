@@ -1,53 +1,57 @@
 """Loading checkpoints you did not write: verify_checkpoint checks a folder before anything in it is loaded.
 
-Whoever wrote the folder, every file in it, listed in the manifest or not, is checked -- no symbolic link out of
-the folder, no manifest name outside it, no file that anything reads left out of the manifest; sizes and hashes
-against the manifest (truncated/corrupt file -> an error naming it); every pickled file test-loaded with
-`weights_only=True`, DCP `.metadata` unpickled with an exact allow-list (code in a pickle is refused, never run).
-The manifest is integrity (a truncated or damaged copy), not authenticity: it comes with the checkpoint. See
+A checkpoint holds JSON and safetensors only (state.py), read by Python's json (strict: checkpoint.codec.read_json)
+and by safetensors: neither can run code, whatever the bytes. What is checked, on the main process, before a
+resume loads anything (a failure is one line naming the file, and `latest` falls back to the checkpoint before):
+
+- the folder: only regular files and folders, no symbolic link, no file of a name the run reads that the manifest
+  does not list, and no file of the older pickle-based format (.bin, .pkl, .pt, .distcp, .metadata: refused unread);
+- the manifest: every file's size and sha256 (a truncated or damaged copy);
+- trainer_state.json: the integers a resume reads, within the bounds a run writes, and the same step, epoch,
+  position and world as the manifest and the folder's name;
+- every JSON file: what codec.encode writes, of this format, with this checkpoint's step (a file copied in from
+  another checkpoint is named), the model, optimizer, scheduler and each writing rank's RNG state all there;
+- every safetensors file: its header, no NaN in a floating tensor; sharded (FSDP) ones: each tensor's chunks
+  cover its global shape exactly once (a chunk moved to another rank's place leaves a gap or an overlap), and the
+  optimizer's references all resolve, each tensor used once.
+
+Whether the checkpoint fits this run (tensor names, shapes and dtypes against the model and the optimizer, the
+scheduler's fields, the global batch) is checked when it is loaded (resume.py), on every rank. The manifest is
+integrity (a truncated or damaged copy), not authenticity: it comes with the checkpoint. See
 docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
-import pickle
 import re
 import stat
 
-from safetensors import safe_open
+from . import codec
+from . import state as ckpt_state
+from .folder import EMA_FILE, MANIFEST_FILE, STATE_FILE, CheckpointError, hash_file
 
-from .. import privates
-from .folder import MANIFEST_FILE, STATE_FILE, CheckpointError, hash_file, read_state
-
-_PICKLED = (".bin", ".pkl", ".pt", ".pth")  # what accelerate.load_state reads with torch.load
-# Objects registered with accelerator.register_for_checkpointing: load_state loads them with weights_only=False.
-_CUSTOM_STATE = re.compile(r"^custom_checkpoint_\d+\.pkl$")
-# What torch, Accelerate, DCP or the Trainer read from a checkpoint folder; a file named otherwise is read by none.
-_READ = _PICKLED + (".safetensors", ".distcp", ".metadata", ".json")
-# the integers a resume reads, each with the least value a run writes
-_STATE_KEYS = {"global_step": 0, "epoch": 0, "batch_in_epoch": 0, "num_processes": 1, "per_device_train_batch_size": 1,
-               "gradient_accumulation_steps": 1}  # fmt: skip
-
-
-def read_manifest(path: str) -> dict:
-    file = os.path.join(path, MANIFEST_FILE)
-    if not os.path.isfile(file):
-        raise CheckpointError(
-            f"Checkpoint {path}: no {MANIFEST_FILE}, so it is not a complete checkpoint written "
-            "by accel-trainer (or was written by an older version); it cannot be verified."
-        )
-    try:
-        with open(file) as f:
-            manifest = json.load(f)
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise ValueError("not a JSON object with a 'files' object")
-    except (ValueError, OSError, RecursionError) as e:  # RecursionError: JSON nested too deep to parse
-        raise CheckpointError(f"Checkpoint {path}: {file} is unreadable ({e}).") from None
-    return manifest
+STREAM_FILE = re.compile(r"^data_state_rank(\d+)\.json$")  # a stream's per-rank position (streaming.py)
+RNG_FILE = re.compile(r"^rng_state_(\d+)\.json$")
+_TOP = {
+    MANIFEST_FILE, STATE_FILE, EMA_FILE, ckpt_state.MODEL_FILE, ckpt_state.OPTIMIZER_FILE,
+    ckpt_state.OPTIMIZER_TENSORS, ckpt_state.SCHEDULER_FILE, ckpt_state.SCALER_FILE,
+}  # fmt: skip
+_SHARD_DIRS = (ckpt_state.SHARDED_MODEL, ckpt_state.SHARDED_OPTIMIZER)
+# The files of accel-trainer <= 0.2's checkpoints (Accelerate's save_state, DCP's FileSystemWriter): pickles.
+_PICKLE_FORMAT = (".bin", ".pkl", ".pt", ".pth", ".distcp", ".metadata")
+_OLD_FORMAT_ADVICE = (
+    "accel-trainer >= 0.3 reads no pickle from a checkpoint (docs/fault-tolerance.md); nothing in it was read. "
+    "Resume it with the accel-trainer that wrote it (pip install 'accel-trainer<0.3'), or start a new run."
+)
+# The integers a resume reads: (least value a run writes, the bound past which no run gets).
+_STATE_KEYS = {"global_step": (0, 1 << 40), "epoch": (0, 1 << 40), "batch_in_epoch": (0, 1 << 40),
+               "num_processes": (1, 1 << 20), "per_device_train_batch_size": (1, 1 << 31),
+               "gradient_accumulation_steps": (1, 1 << 31)}  # fmt: skip
+_MANIFEST_KEYS = {"step": "global_step", "epoch": "epoch", "batch_in_epoch": "batch_in_epoch",
+                  "num_processes": "num_processes"}  # fmt: skip
 
 
 def why(e: BaseException) -> str:
@@ -56,10 +60,29 @@ def why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
-def _inside(root: str, path: str) -> bool:
-    """`path`, links resolved, is `root` (a realpath) or under it."""
-    real = os.path.realpath(path)
-    return real == root or real.startswith(root + os.sep)
+def read_json_file(path: str, file: str, max_bytes: int = codec.MAX_JSON_BYTES):
+    try:
+        return codec.read_json(file, max_bytes)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"Checkpoint {path}: {file} is unreadable ({why(e)}).") from None
+
+
+def read_manifest(path: str) -> dict:
+    file = os.path.join(path, MANIFEST_FILE)
+    if not os.path.lexists(file):
+        raise CheckpointError(
+            f"Checkpoint {path}: no {MANIFEST_FILE}, so it is not a complete checkpoint written "
+            "by accel-trainer; it cannot be verified."
+        )
+    manifest = read_json_file(path, file)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"Checkpoint {path}: {file} is unreadable (not a JSON object with a 'files' object).")
+    if manifest.get("format") != ckpt_state.FORMAT:
+        raise CheckpointError(
+            f"Checkpoint {path}: {file} says format {manifest.get('format')!r}: written by an older accel-trainer "
+            f"in Accelerate's pickle-based format. {_OLD_FORMAT_ADVICE}"
+        )
+    return manifest
 
 
 def _plain_relative(rel) -> bool:
@@ -74,65 +97,83 @@ def _plain_relative(rel) -> bool:
     )
 
 
+def _read_by_us(rel: str) -> bool:
+    """A file a resume reads (by its name)."""
+    top, _, name = rel.partition(os.sep)
+    if name:
+        return top in _SHARD_DIRS and os.sep not in name and name.endswith(".safetensors")
+    return rel in _TOP or bool(RNG_FILE.match(rel) or STREAM_FILE.match(rel))
+
+
 def check_layout(path: str, manifest: dict, log=None):
-    """What the folder holds, whatever its manifest says. Refused, naming the file: a manifest name that is not a
-    plain path inside the folder (absolute, `..`), a malformed manifest entry, a symbolic link (file or folder)
-    that leads out of the folder, anything but regular files and folders, and a file that torch, Accelerate or the
-    Trainer would read (by its name) but the manifest does not list. Any other unlisted file is read by nothing:
-    `log` names it in a warning."""
-    root = os.path.realpath(path)
-    unlisted = []
-    for dirpath, dirnames, filenames in os.walk(path):  # links are not followed: a linked folder is checked here
-        for name in sorted(dirnames) + sorted(filenames):
-            full = os.path.join(dirpath, name)
-            if os.path.islink(full) and not _inside(root, full):
-                raise CheckpointError(
-                    f"Checkpoint {path}: {full} is a symbolic link to {os.path.realpath(full)}, outside the "
-                    "checkpoint folder; refused. Copy the files themselves into the folder (e.g. cp -rL)."
-                )
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            try:
-                regular = stat.S_ISREG(os.stat(full).st_mode)
-            except OSError as e:  # e.g. a link to a file that is not there
-                raise CheckpointError(f"Checkpoint {path}: {full} cannot be read ({why(e)}).") from None
-            if not regular:  # a FIFO would block the hashing forever, a device never end
-                raise CheckpointError(f"Checkpoint {path}: {full} is not a regular file; refused.")
-            rel = os.path.relpath(full, path)
-            if rel != MANIFEST_FILE and rel not in manifest["files"]:
-                unlisted.append((rel, full))
-    for rel, meta in manifest["files"].items():
-        if not _plain_relative(rel) or not _inside(root, os.path.join(path, rel)):
+    """What the folder holds, whatever its manifest says (links are never followed): only regular files and
+    folders; no file of the pickle-based format; every file a resume reads listed in the manifest; every manifest
+    entry a plain name inside the folder with an integer size and a sha256. A file nothing reads is named by
+    `log` in a warning."""
+    if os.path.islink(path):
+        raise CheckpointError(
+            f"Checkpoint {path} is a symbolic link to {os.path.realpath(path)}: a checkpoint is a folder the run "
+            "wrote. Pass the folder it points to, or copy it (cp -rL)."
+        )
+    found = []
+    pending = [""]
+    while pending:
+        folder = pending.pop()
+        with os.scandir(os.path.join(path, folder)) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                rel = os.path.join(folder, entry.name)
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISLNK(mode):
+                    raise CheckpointError(
+                        f"Checkpoint {path}: {entry.path} is a symbolic link (to {os.path.realpath(entry.path)}); "
+                        "a checkpoint holds only the files the run wrote. Copy the files themselves (cp -rL)."
+                    )
+                if entry.name.endswith(_PICKLE_FORMAT) or rel in ("pytorch_model_fsdp_0", "optimizer_0"):
+                    raise CheckpointError(
+                        f"Checkpoint {path}: {entry.path} is a file of the older, pickle-based checkpoint format. "
+                        + _OLD_FORMAT_ADVICE
+                    )
+                if stat.S_ISDIR(mode):
+                    pending.append(rel)
+                elif stat.S_ISREG(mode):
+                    found.append(rel)
+                else:  # a FIFO would block the hashing forever, a device never end
+                    raise CheckpointError(f"Checkpoint {path}: {entry.path} is not a regular file; refused.")
+    files = manifest["files"]
+    for rel, meta in files.items():
+        if not _plain_relative(rel):
             raise CheckpointError(
                 f"Checkpoint {path}: {MANIFEST_FILE} names {rel!r} ({os.path.normpath(os.path.join(path, str(rel)))})"
                 ", which is not a plain path inside the checkpoint folder (absolute, or with '..'); refused."
             )
-        ok = isinstance(meta, dict) and isinstance(meta.get("sha256"), str)
-        if not (ok and isinstance(meta.get("size"), int) and not isinstance(meta.get("size"), bool)):
+        size = meta.get("size") if isinstance(meta, dict) else None
+        if not (isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and type(size) is int and size >= 0):
             raise CheckpointError(
                 f"Checkpoint {path}: {os.path.join(path, MANIFEST_FILE)} is malformed (entry {rel!r} has no integer "
                 "size and sha256 string)."
             )
-    for rel, full in unlisted:
-        if rel.endswith(_READ):
+    for rel in found:
+        if rel == MANIFEST_FILE or rel in files:
+            continue
+        if _read_by_us(rel):
             raise CheckpointError(
-                f"Checkpoint {path}: {full} is not listed in {MANIFEST_FILE}, and resuming would read it; refused "
-                "(added after the checkpoint was written?). Remove it, or use a checkpoint as it was written."
+                f"Checkpoint {path}: {os.path.join(path, rel)} is not listed in {MANIFEST_FILE}, and resuming would "
+                "read it; refused (added after the checkpoint was written?). Remove it, or use a checkpoint as it was "
+                "written."
             )
         if log is not None:
-            log(f"warning: checkpoint {path}: {full} is not listed in {MANIFEST_FILE}; nothing reads it, ignored.")
+            log(f"warning: checkpoint {path}: {os.path.join(path, rel)} is not listed in {MANIFEST_FILE}; nothing "
+                "reads it, ignored.")  # fmt: skip
 
 
 def verify_checkpoint(path: str, log=None) -> dict:
-    """Everything a resume from `path` would read, before any of it is loaded: check_layout (every file in the
-    folder, listed or not), sizes and sha256 of every file in the manifest, the trainer state, and a safe
-    test-load of every file that is unpickled (pickles, DCP metadata) or parsed (safetensors headers).
-    Returns the manifest; raises CheckpointError naming the first bad file (one line). `log`: warnings."""
+    """Everything a resume from `path` reads, checked before any of it is loaded (the module's docstring). Returns
+    the trainer state; raises CheckpointError naming the first bad file (one line). `log`: warnings."""
     manifest = read_manifest(path)
     check_layout(path, manifest, log)
     for rel, meta in manifest["files"].items():
         file = os.path.join(path, rel)
-        if not os.path.isfile(file):
+        if not os.path.isfile(file) or os.path.islink(file):
             raise CheckpointError(f"Checkpoint {path}: {file} is missing (listed in {MANIFEST_FILE}).")
         size = os.path.getsize(file)
         if size != meta["size"]:
@@ -145,21 +186,18 @@ def verify_checkpoint(path: str, log=None) -> dict:
             raise CheckpointError(f"Checkpoint {path}: {file} cannot be read ({why(e)}).") from None
         if digest != meta["sha256"]:
             raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
-    state = check_state(path)
+    state = check_state(path, manifest)
     check_complete(path, manifest, state)
-    check_safe_to_load(path, manifest)
-    check_safetensors(path, manifest)
-    check_dcp_metadata_safe(path, manifest)  # a sharded (FSDP) checkpoint's DCP metadata, read with plain pickle
-    return manifest
+    tensors = check_tensor_files(path, manifest, state["global_step"])
+    check_json_files(path, manifest, state, tensors)
+    return state
 
 
-def check_state(path: str) -> dict:
-    """trainer_state.json is a JSON object with the integers a resume reads; returns it."""
+def check_state(path: str, manifest: dict | None = None) -> dict:
+    """trainer_state.json is a JSON object with the integers a resume reads, within what a run writes, and says
+    what the manifest and the folder's name say; returns it."""
     file = os.path.join(path, STATE_FILE)
-    try:
-        state = read_state(path)
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"Checkpoint {path}: {file} is missing or unreadable ({why(e)}).") from None
+    state = read_json_file(path, file, 1 << 20)
     bad = [k for k in _STATE_KEYS if type(state.get(k)) is not int] if isinstance(state, dict) else ["everything"]
     if bad:
         raise CheckpointError(
@@ -167,7 +205,7 @@ def check_state(path: str) -> dict:
         )
     step, skipped = state["global_step"], state.get("skipped_steps", 0)
     best, best_step = state.get("best_metric"), state.get("best_step")
-    wrong = [f"{k} {state[k]}" for k, least in _STATE_KEYS.items() if state[k] < least]
+    wrong = [f"{k} {state[k]}" for k, (least, most) in _STATE_KEYS.items() if not least <= state[k] < most]
     if type(skipped) is not int or not 0 <= skipped <= step:
         wrong.append(f"skipped_steps {skipped!r}")
     if best is not None and (type(best) not in (int, float) or not math.isfinite(best)):
@@ -180,266 +218,175 @@ def check_state(path: str) -> dict:
             "from 0, processes and batch sizes from 1, skipped_steps and best_step up to global_step, best_metric "
             "a finite number or null): it cannot be resumed."
         )
+    said = []
+    if manifest is not None:
+        said = [f"{k} {manifest.get(k)!r} in {MANIFEST_FILE}" for k, s in _MANIFEST_KEYS.items()
+                if manifest.get(k) != state[s]]  # fmt: skip
+    m = re.match(r"^step_(\d+)$", os.path.basename(os.path.normpath(path)))
+    if m and int(m.group(1)) != step:
+        said.append(f"the folder's name step_{m.group(1)}")
+    if said:
+        raise CheckpointError(
+            f"Checkpoint {path}: {file} says global_step {step}, epoch {state['epoch']}, batch_in_epoch "
+            f"{state['batch_in_epoch']}, num_processes {state['num_processes']}; disagreeing: {'; '.join(said)}. "
+            "Its files do not belong together: resume from another checkpoint."
+        )
     return state
 
 
 def check_complete(path: str, manifest: dict, state: dict):
-    """The manifest lists what every checkpoint of ours holds: the model, the optimizer and the scheduler (full
-    files, or under FSDP the DCP folders) and each writing rank's RNG state. Accelerate's load_state skips a missing
-    RNG file with a log line, so a checkpoint without one resumed with other random numbers (dropout), silently."""
+    """The manifest lists what every checkpoint of ours holds: the model, the optimizer and the scheduler and each
+    writing rank's RNG state (and none of a rank that did not write)."""
     files, ranks = manifest["files"], state["num_processes"]
-
-    def has(name: str, folder: str | None = None) -> bool:
-        return name in files or (folder is not None and any(rel.startswith(folder + "/") for rel in files))
-
-    needed = [("model.safetensors", "pytorch_model_fsdp_0"), ("optimizer.bin", "optimizer_0"), ("scheduler.bin", None)]
-    needed += [(f"random_states_{rank}.pkl", None) for rank in range(ranks)]
-    missing = [name if folder is None else f"{name} (or {folder}/)" for name, folder in needed if not has(name, folder)]
-    if missing:
+    sharded = any(rel.startswith(ckpt_state.SHARDED_MODEL + os.sep) for rel in files)
+    needed = [ckpt_state.OPTIMIZER_FILE, ckpt_state.SCHEDULER_FILE] + [f"rng_state_{r}.json" for r in range(ranks)]
+    missing = [name for name in needed + ([] if sharded else [ckpt_state.MODEL_FILE]) if name not in files]
+    extra = [rel for rel in files if (m := RNG_FILE.match(rel)) and int(m.group(1)) >= ranks]
+    if missing or extra:
+        what = f"lists no {', '.join(missing)}" if missing else f"lists {extra[0]}"
         raise CheckpointError(
-            f"Checkpoint {path}: {MANIFEST_FILE} lists no {', '.join(missing)}, which every checkpoint written by "
-            f"{ranks} process(es) holds: it is incomplete and cannot continue the run it comes from. Resume from "
+            f"Checkpoint {path}: {MANIFEST_FILE} {what}, which a checkpoint written by {ranks} process(es) "
+            f"{'holds' if missing else 'does not hold'}: it cannot continue the run it comes from. Resume from "
             "another checkpoint (--resume_from_checkpoint latest takes the newest complete one)."
         )
 
 
-def check_safetensors(path: str, manifest: dict):
-    """Every safetensors file (model, EMA) opens and its header lists tensors (safetensors is data: no code)."""
-    for rel in manifest["files"]:
-        if rel.endswith(".safetensors"):
-            file = os.path.join(path, rel)
-            try:
-                with safe_open(file, framework="pt") as f:
-                    for k in f.keys():
-                        f.get_slice(k).get_shape()
-            except Exception as e:  # noqa: BLE001 - any failure means the file cannot be restored
-                raise CheckpointError(
-                    f"Checkpoint {path}: {file} is not a readable safetensors file ({why(e)})."
-                ) from None
+# safetensors' dtype codes, as torch names them
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
 
 
-def check_safe_to_load(path: str, manifest: dict):
-    """Unpickle every pickled file the way accelerate's load_state will, with `weights_only=True` (no code runs;
-    mmap: tensor data is not read). This also turns accelerate's silent "Could not load random states" into an
-    error: a resumed run with other random numbers would not be the run it continues. Accelerate's
-    `custom_checkpoint_<i>.pkl` (loaded with weights_only=False) is refused unread: the Trainer registers none."""
-    from accelerate.utils.other import load  # weights_only=True plus the numpy types RNG states need
+def read_header(path: str, file: str, step: int | None, scan: bool = True):
+    """A safetensors file's tensors {name: (shape, dtype name)} and metadata; `scan`: each tensor read and refused
+    when a floating one holds NaN; `step`: the step its metadata must name."""
+    from safetensors import safe_open
 
-    for rel in manifest["files"]:
-        file = os.path.join(path, rel)
-        if _CUSTOM_STATE.match(os.path.basename(rel)):
-            raise CheckpointError(
-                f"Checkpoint {path}: {file} is the state of an object registered with Accelerate's "
-                "register_for_checkpointing, which load_state unpickles with weights_only=False (any code in it "
-                "would run); accel-trainer registers none, so it is refused unread. Remove it to resume."
-            )
-        if not rel.endswith(_PICKLED):
-            continue
-        try:
-            try:
-                load(file, map_location="cpu", mmap=True)
-            except RuntimeError as e:  # a legacy (pre-zipfile) torch.save file cannot be mapped: read it
-                if "mmap" not in str(e):
-                    raise
-                load(file, map_location="cpu")
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(
-                f"Checkpoint {path}: {file} holds pickled code or objects that a safe load refuses ({_refused(e)}); "
-                "nothing in it was run. Do not load it with weights_only=False: resume from another checkpoint."
-            ) from None
-        except Exception as e:  # noqa: BLE001 - any failure means the file cannot be restored
-            raise CheckpointError(
-                f"Checkpoint {path}: {file} cannot be loaded safely ({why(e)}). Pickled code "
-                "and arbitrary objects are refused (weights_only=True) and were not run."
-            ) from None
-
-
-def _refused(error: Exception) -> str:
-    """What torch's weights_only unpickler refused (the GLOBAL it names), not the text around it: torch's message
-    first tells how to load the file with weights_only=False, which would run the code."""
-    lines = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line]
-    # its first sentence: older torch goes on in the same line with how to allow the global (add_safe_globals)
-    return (lines[0].split(". ")[0] if lines else "weights_only=True refused it").rstrip(".")[:200]
-
-
-# ------------------------------------------------------------------------------- sharded (FSDP2) checkpoints, DCP
-# Under FSDP, `accelerator.save_state` writes the model and the optimizer with torch.distributed.checkpoint
-# (DCP): folders `pytorch_model_fsdp_0/` and `optimizer_0/`, each with one `__<rank>_0.distcp` per rank and a
-# `.metadata` (which tensor chunk is where, by parameter name and global offsets). save_checkpoint and
-# write_manifest list and hash them like any other file. Two additions for them:
-#  - check_safe_to_load's promise (no pickled code runs) needs check_dcp_metadata_safe. torch reads `.metadata`
-#    with a plain `pickle.load`: we unpickle it first with an allow-list of the classes DCP writes. In a `.distcp`,
-#    tensors are read with torch.load(weights_only=True), but the non-tensor items (an optimizer's param_groups:
-#    lr, betas, the parameter names, ...) with torch.load(weights_only=False) (torch 2.13,
-#    DefaultLoadPlanner.load_bytes): we test-load each of those with weights_only=True first.
-#  - load_resharded restores model and optimizer of a DCP checkpoint into a model on any number of processes,
-#    sharded or not (DCP matches tensors by name and global offsets): a 2-process FSDP checkpoint resumes on 1.
-DCP_META = ".metadata"
-# Every global a DCP `.metadata` names, as exact (module, name) pairs; found by unpickling the `.metadata` of real
-# FSDP checkpoints (torch 2.13) with a recording find_class. Besides these: torch's dtypes, ("torch", "float32")...
-_DCP_GLOBALS = (
-    ("torch.distributed.checkpoint.metadata", "Metadata"),
-    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # an Enum: TensorProperties' memory format
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # torch.layout's reduce: a lookup of torch's layouts by name
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("pathlib._local", "PosixPath"),  # where Python >= 3.13 pickles pathlib's classes from
-    ("pathlib._local", "PurePosixPath"),
-    ("pathlib._local", "WindowsPath"),
-    ("pathlib._local", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-)
-
-
-@functools.cache
-def _dcp_allowed() -> dict:
-    """(module, name) -> the object: _DCP_GLOBALS that exist in this Python and torch, and torch's dtypes."""
-    import importlib
-
-    import torch
-
-    allowed = {}
-    for module, name in _DCP_GLOBALS:
-        try:
-            allowed[(module, name)] = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):  # pathlib._local: Python >= 3.13 only
-            continue
-    allowed.update({("torch", k): v for k, v in vars(torch).items() if isinstance(v, torch.dtype)})
-    return allowed
-
-
-def _dcp_unpickler(file):
-    """An unpickler that admits exactly the globals of _dcp_allowed: the pair must be listed (a dotted name never
-    is -- protocol 4 would resolve `os.system` under any module that imports os), and what pickle resolves it to
-    must be the very object listed."""
-    import pickle
-
-    allowed = _dcp_allowed()
-
-    class DcpMetadataUnpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            expected = allowed.get((module, name)) if "." not in name else None
-            if expected is None or super().find_class(module, name) is not expected:
-                raise pickle.UnpicklingError(f"global {module}.{name} is not one DCP metadata uses")
-            return expected
-
-    return DcpMetadataUnpickler(file)
-
-
-def read_dcp_metadata(path: str, file: str):
-    """The DCP metadata in `file` (of checkpoint `path`), unpickled with the allow-list and checked to be DCP's
-    Metadata; CheckpointError (one line naming the file) for anything else: empty, truncated, foreign, unsafe."""
     try:
-        with open(file, "rb") as f:
-            meta = _dcp_unpickler(f).load()
-    except Exception as e:  # noqa: BLE001 - any failure means torch's pickle.load must not see it
+        with safe_open(file, framework="pt") as f:
+            metadata = f.metadata() or {}
+            found = {}
+            for k in f.keys():
+                part = f.get_slice(k)
+                found[k] = (tuple(part.get_shape()), _SAFETENSORS_DTYPES.get(part.get_dtype(), part.get_dtype()))
+                if scan and (t := f.get_tensor(k)).is_floating_point() and t.isnan().any():
+                    raise CheckpointError(
+                        f"Checkpoint {path}: {file} holds NaN in {k}: a run that diverged before the checkpoint was "
+                        "written (accel-trainer stops a run on a non-finite loss). Resume from an earlier checkpoint."
+                    )
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure means the file cannot be restored
+        raise CheckpointError(f"Checkpoint {path}: {file} is not a readable safetensors file ({why(e)}).") from None
+    if step is not None and metadata.get("step") != str(step):
         raise CheckpointError(
-            f"Checkpoint {path}: {file} cannot be loaded safely ({why(e)}). Only the classes of "
-            "torch.distributed.checkpoint metadata are admitted; nothing in it was run."
-        ) from None
-    if not _well_formed_dcp(meta):
-        raise CheckpointError(
-            f"Checkpoint {path}: {file} is not well-formed DCP metadata (it holds {type(meta).__name__}); the "
-            "checkpoint is damaged."
+            f"Checkpoint {path}: {file} was written at step {metadata.get('step')}, not at this checkpoint's step "
+            f"{step}: a file of another checkpoint. Resume from another checkpoint."
         )
-    return meta
+    return found, metadata
 
 
-def _well_formed_dcp(meta) -> bool:
-    """The fields DCP and this module read, present and of their types: an allowed class can still be built
-    without its fields (pickle sets __dict__ to anything), which would fail later as an AttributeError."""
-    import torch
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
+def check_tensor_files(path: str, manifest: dict, step: int) -> dict:
+    """Every safetensors file readable, NaN-free and of this step; the sharded folders' chunks tile their tensors.
+    Returns {file group: {tensor name: (global shape, dtype)}} for the model, EMA and optimizer."""
+    files = manifest["files"]
+    out: dict = {}
+    for rel in (ckpt_state.MODEL_FILE, EMA_FILE, ckpt_state.OPTIMIZER_TENSORS):
+        if rel in files:
+            out[rel] = read_header(path, os.path.join(path, rel), step)[0]
+    for folder in _SHARD_DIRS:
+        shards = sorted(rel for rel in files if rel.startswith(folder + os.sep))
+        if shards:
+            out[folder] = sharded_tensors(path, [os.path.join(path, rel) for rel in shards])
+    return out
+
+
+def sharded_tensors(path: str, shards: list[str], scan: bool = True) -> dict:
+    """{name: (global shape, dtype)} of DCP safetensors shards, whose chunks (each shard's offsets, which DCP
+    writes in the header) must cover each tensor's global shape exactly once."""
+    chunks: dict = {}
+    for file in shards:
+        found, metadata = read_header(path, file, None, scan)
+        try:
+            info = json.loads(metadata.get("DCP_SHARDING_INFO", "null"))
+            offsets = {k: info[k]["saved_offsets"] for k in found}
+        except (ValueError, TypeError, KeyError):
+            raise CheckpointError(
+                f"Checkpoint {path}: {file} has no DCP sharding information for its tensors."
+            ) from None
+        for k, (shape, dtype) in found.items():
+            off = offsets[k]
+            if not (isinstance(off, list) and len(off) == len(shape) and all(type(o) is int and o >= 0 for o in off)):
+                raise CheckpointError(f"Checkpoint {path}: {file} gives {k} the offsets {str(off)[:80]}.")
+            chunks.setdefault(k, []).append((tuple(off), shape, dtype, file))
+    out = {}
+    for k, parts in chunks.items():
+        shape = tuple(max(o[i] + s[i] for o, s, _, _ in parts) for i in range(len(parts[0][1])))
+        if len({d for _, _, d, _ in parts}) > 1 or not _tile(shape, [(o, s) for o, s, _, _ in parts]):
+            where = ", ".join(f"{list(o)} in {os.path.basename(f)}" for o, _, _, f in parts[:4])
+            raise CheckpointError(
+                f"Checkpoint {path}: the shards of {k} do not cover it exactly once (chunks at {where}): a chunk moved "
+                "to another place, or of another tensor. Resume from another checkpoint."
+            )
+        out[k] = (shape, parts[0][2])
+    return out
+
+
+def _tile(shape: tuple, boxes: list) -> bool:
+    """The boxes (offsets, sizes) cover `shape` exactly: as many elements as it has, and no two overlap."""
+    boxes = [(o, s) for o, s in boxes if math.prod(s)]
+    if sum(math.prod(s) for _, s in boxes) != math.prod(shape):
+        return False
+    return not any(
+        all(a < b + t and b < a + u for a, u, b, t in zip(o1, s1, o2, s2))
+        for i, (o1, s1) in enumerate(boxes)
+        for o2, s2 in boxes[i + 1 :]
     )
 
-    def item(name, v) -> bool:  # state_dict_metadata: a tensor's global shape and chunks, or a pickled item
-        if isinstance(v, TensorStorageMetadata):
-            ok = isinstance(v.size, torch.Size) and isinstance(v.chunks, list)
-            return isinstance(name, str) and ok and isinstance(v.properties, TensorProperties)
-        return isinstance(name, str) and isinstance(v, BytesStorageMetadata)
 
-    def stored(index, info) -> bool:  # storage_data: where an item's bytes are
-        ok = (
-            isinstance(index, MetadataIndex)
-            and isinstance(index.fqn, str)
-            and isinstance(info, privates.dcp_storage_info_class())
-        )
-        return ok and isinstance(info.relative_path, str) and type(info.offset) is int and type(info.length) is int
-
-    try:
-        return (
-            isinstance(meta, Metadata)
-            and isinstance(meta.state_dict_metadata, dict)
-            and isinstance(meta.storage_data, dict)
-            and all(item(k, v) for k, v in meta.state_dict_metadata.items())
-            and all(stored(i, v) for i, v in meta.storage_data.items())
-        )
-    except AttributeError:
-        return False
-
-
-def check_dcp_metadata_safe(path: str, manifest: dict):
-    """Before torch reads a checkpoint's DCP folders: unpickle every `.metadata` with an allow-list of DCP's own
-    classes (torch uses plain pickle), check that every storage entry names a file of its folder, then test-load
-    every non-tensor item of the `.distcp` files it points to with weights_only=True (torch loads those with
-    weights_only=False). Raises CheckpointError naming the file; nothing in it runs."""
+def check_json_files(path: str, manifest: dict, state: dict, tensors: dict):
+    """Every JSON state file decodes (codec.decode) and belongs to this step; the optimizer's references resolve to
+    its tensor files, each tensor used once; each RNG state is a dict of generators."""
+    step = state["global_step"]
     for rel in manifest["files"]:
-        if not os.path.basename(rel).endswith(DCP_META):
+        if not rel.endswith(".json") or rel in (MANIFEST_FILE, STATE_FILE) or not _read_by_us(rel):
             continue
         file = os.path.join(path, rel)
-        check_dcp_storage(path, file, read_dcp_metadata(path, file))
-
-
-def check_dcp_storage(path: str, file: str, meta):
-    """Every storage entry of a well-formed `meta` names a file of its folder; its non-tensor items load with
-    weights_only=True."""
-    import io
-
-    import torch
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    folder = os.path.dirname(file)
-    items = {k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
-    for index, info in meta.storage_data.items():
-        if not _plain_relative(info.relative_path) or os.sep in info.relative_path:
+        names = {}
+        if rel == ckpt_state.OPTIMIZER_FILE:
+            names = {**tensors.get(ckpt_state.OPTIMIZER_TENSORS, {}), **tensors.get(ckpt_state.SHARDED_OPTIMIZER, {})}
+        used: set = set()
+        value = read_state_file(path, file, step, dict.fromkeys(names, None), used)
+        if used != set(names):
             raise CheckpointError(
-                f"Checkpoint {path}: {file} names a storage file outside its folder ({info.relative_path!r}); refused."
+                f"Checkpoint {path}: {file} does not use the tensors {sorted(set(names) - used)[:3]} of its files: "
+                "they do not belong together."
             )
-        shard = os.path.join(folder, info.relative_path)
-        if not os.path.isfile(shard):
-            raise CheckpointError(f"Checkpoint {path}: {shard}, named in {file}, is missing.")
-        if index.fqn not in items:
-            continue
-        if info.transform_descriptors:  # compressed or otherwise transformed streams: not ours to decode
-            raise CheckpointError(f"Checkpoint {path}: {shard} holds transformed items that cannot be checked.")
-        try:
-            with open(shard, "rb") as f:
-                f.seek(info.offset)
-                torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any failure means torch's weights_only=False load must not see it
+        if RNG_FILE.match(rel) and not (isinstance(value, dict) and {"python", "numpy", "torch"} <= set(value)):
+            keys = sorted(value) if isinstance(value, dict) else type(value).__name__
             raise CheckpointError(
-                f"Checkpoint {path}: {shard} (item {index.fqn}) cannot be loaded safely ({why(e)}). Pickled code "
-                "and arbitrary objects are refused (weights_only=True) and were not run."
-            ) from None
+                f"Checkpoint {path}: {file} holds {keys}, not the random generators python, numpy and torch: the "
+                "run would continue with other random numbers. Resume from another checkpoint."
+            )
+
+
+def read_state_file(path: str, file: str, step: int, tensors: dict | None = None, used: set | None = None):
+    """A JSON state file of the checkpoint (state.write_json): its decoded state, checked to be of this format and
+    of this checkpoint's step."""
+    doc = read_json_file(path, file)
+    if not (isinstance(doc, dict) and set(doc) == {"format", "step", "state"} and doc["format"] == ckpt_state.FORMAT):
+        raise CheckpointError(f"Checkpoint {path}: {file} is not a state file of this format.")
+    if doc["step"] != step:
+        raise CheckpointError(
+            f"Checkpoint {path}: {file} was written at step {doc['step']!r}, not at this checkpoint's step {step}: a "
+            "file of another checkpoint. Resume from another checkpoint."
+        )
+    try:
+        return codec.decode(doc["state"], tensors, used)
+    except (codec.DecodeError, RecursionError) as e:
+        raise CheckpointError(f"Checkpoint {path}: {file} holds what no run writes ({why(e)}).") from None
 
 
 def is_sharded_checkpoint(path: str) -> bool:
-    """A checkpoint whose model was saved sharded with DCP (an FSDP run)."""
-    from accelerate.utils.constants import FSDP_MODEL_NAME
-
-    return os.path.isfile(os.path.join(path, f"{FSDP_MODEL_NAME}_0", DCP_META))
+    """A checkpoint whose model was saved sharded (an FSDP run): a folder of DCP safetensors shards."""
+    return os.path.isdir(os.path.join(path, ckpt_state.SHARDED_MODEL))

@@ -1,0 +1,212 @@
+"""The run's state as JSON plus tensors: what a checkpoint holds besides weights, with no pickle anywhere.
+
+A checkpoint used to be Accelerate's `save_state` folder: the optimizer, scheduler, scaler and RNG states pickled
+by torch.save, and under FSDP DCP's `.metadata` pickled by plain pickle. Every loader of those runs an unpickler on
+bytes that came with the checkpoint, and each safe-looking allow-list was one more parser to get exactly right
+(docs/fault-tolerance.md: a crafted FSDP checkpoint ran code through the second one). Here the same states are
+written as JSON (Python's json: builds only dicts, lists, strings and numbers) and their tensors as safetensors
+(a header and raw bytes); reading them back cannot run code whatever the bytes are, and reading twice gives the
+same objects.
+
+    tree = encode(state, tensors)          # tensors: {name: tensor} filled with the state's tensors (by path)
+    state = decode(tree, tensors, where)   # the same state: every tensor reference resolved, each used once
+
+What a state dict holds besides tensors -- tuples (betas, RNG states), dicts with int keys (an optimizer's state by
+parameter index), NumPy arrays and scalars (NumPy's RNG state) -- is tagged in the JSON (`{"@tuple": [...]}`) so that
+it comes back as it was: a resumed run is bit-identical. Anything else is refused when the checkpoint is written,
+naming where it sits (EncodeError), not silently changed. With `tensors=None` tensors are written inline (base64),
+for the per-rank files of a few kilobytes (RNG states).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import stat
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+
+# dtypes a tensor or array in the JSON may name; the name is looked up in these tables, never imported or evaluated.
+_TORCH_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool)
+}  # fmt: skip
+_NUMPY_DTYPES = {
+    np.dtype(n).name: np.dtype(n) for n in ("float64", "float32", "int64", "int32", "uint32", "uint8", "bool")
+}
+_TAGS = ("@tuple", "@dict", "@tensor", "@ndarray", "@numpy")
+MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON files are kilobytes (an optimizer's param groups: megabytes at most)
+
+
+class EncodeError(UserError):
+    """A state holds a value a checkpoint cannot keep safely (no JSON form): the message names where."""
+
+
+class DecodeError(ValueError):
+    """A JSON tree that encode() does not write; the message says where in it."""
+
+
+# ----------------------------------------------------------------------------------------------------- writing
+def encode(obj, tensors: dict | None, path: str = ""):
+    """`obj` as a JSON-able tree. Tensors go into `tensors` under their path in `obj` (`state.0.exp_avg`) and are
+    referenced by it; with `tensors=None` they are written inline."""
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if tensors is None:
+            return {"@tensor": _inline(obj.detach().cpu(), path)}
+        if path in tensors:
+            raise EncodeError(f"two tensors of the state are both named {path!r}; rename one of the keys.")
+        tensors[path] = obj
+        return {"@tensor": path}
+    if isinstance(obj, np.ndarray):
+        return {"@ndarray": _inline_array(obj, path)}
+    if isinstance(obj, np.generic) and obj.dtype.name in _NUMPY_DTYPES:
+        return {"@numpy": [obj.dtype.name, obj.item()]}
+    if isinstance(obj, (list, tuple)):
+        items = [encode(v, tensors, _join(path, i)) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {"@tuple": items}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("@") for k in obj):
+            return {k: encode(v, tensors, _join(path, k)) for k, v in obj.items()}
+        pairs = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+                raise EncodeError(f"{path or 'the state'} has a key of type {type(k).__name__}, which a checkpoint "
+                                  "cannot keep (str, int, float, bool, None, tuple).")  # fmt: skip
+            pairs.append([encode(k, None, path), encode(v, tensors, _join(path, k))])
+        return {"@dict": pairs}
+    raise EncodeError(
+        f"{path or 'the state'} holds a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint cannot "
+        "keep: a state dict holds tensors, numbers, strings, None and lists, tuples or dicts of these."
+    )
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _inline(t: torch.Tensor, path: str) -> dict:
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _TORCH_DTYPES:
+        raise EncodeError(f"{path or 'the state'} is a tensor of dtype {t.dtype}, which a checkpoint cannot keep.")
+    data = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {"dtype": dtype, "shape": list(t.shape), "data": base64.b64encode(data).decode()}
+
+
+def _inline_array(a: np.ndarray, path: str) -> dict:
+    if a.dtype.name not in _NUMPY_DTYPES:
+        raise EncodeError(f"{path or 'the state'} is an array of dtype {a.dtype}, which a checkpoint cannot keep.")
+    data = np.ascontiguousarray(a).tobytes()
+    return {"dtype": a.dtype.name, "shape": list(a.shape), "data": base64.b64encode(data).decode()}
+
+
+def dumps(tree) -> str:
+    return json.dumps(tree, indent=1, allow_nan=True)
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+def decode(tree, tensors: dict | None = None, used: set | None = None):
+    """The state encode() made `tree` from; references into `tensors` resolved (their names added to `used`).
+    Raises DecodeError for anything encode() does not write: an unknown tag, a missing tensor, a bad inline one."""
+    if tree is None or isinstance(tree, (bool, int, str, float)):
+        return tree
+    if isinstance(tree, list):
+        return [decode(v, tensors, used) for v in tree]
+    if not isinstance(tree, dict):
+        raise DecodeError(f"a {type(tree).__name__}")
+    tags = [k for k in tree if k.startswith("@")]
+    if not tags:
+        return {k: decode(v, tensors, used) for k, v in tree.items()}
+    if len(tree) != 1 or tags[0] not in _TAGS:
+        raise DecodeError(f"an object with keys {sorted(tree)[:4]}")
+    tag, value = tags[0], tree[tags[0]]
+    if tag == "@tuple" and isinstance(value, list):
+        return tuple(decode(v, tensors, used) for v in value)
+    if tag == "@dict" and isinstance(value, list):
+        out = {}
+        for pair in value:
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise DecodeError("a @dict entry that is not a [key, value] pair")
+            key = decode(pair[0])
+            if not isinstance(key, (str, int, float, bool, type(None), tuple)) or key in out:
+                raise DecodeError(f"a @dict key {key!r} that is repeated or of another type")
+            out[key] = decode(pair[1], tensors, used)
+        return out
+    if tag == "@tensor" and isinstance(value, str):
+        if tensors is None or value not in tensors:
+            raise DecodeError(f"a reference to tensor {value[:100]!r}, which is not in the checkpoint")
+        if used is not None:
+            used.add(value)
+        return tensors[value]
+    if tag == "@tensor" and isinstance(value, dict):
+        raw, dtype, shape = _raw(value, _TORCH_DTYPES)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+    if tag == "@ndarray" and isinstance(value, dict):
+        raw, dtype, shape = _raw(value, _NUMPY_DTYPES)
+        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+    if tag == "@numpy" and isinstance(value, list) and len(value) == 2 and value[0] in _NUMPY_DTYPES:
+        if not isinstance(value[1], (int, float, bool)):
+            raise DecodeError("a @numpy value that is not a number")
+        return _NUMPY_DTYPES[value[0]].type(value[1])
+    raise DecodeError(f"a malformed {tag}")
+
+
+def _raw(value: dict, dtypes: dict) -> tuple[bytes, object, list]:
+    """An inline tensor's or array's bytes, dtype and shape, checked against each other."""
+    dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
+    if set(value) != {"dtype", "shape", "data"} or dtype not in dtypes or not isinstance(data, str):
+        raise DecodeError("an inline tensor without a known dtype, a shape and its data")
+    if not isinstance(shape, list) or not all(type(n) is int and 0 <= n < 1 << 40 for n in shape) or len(shape) > 8:
+        raise DecodeError(f"an inline tensor of shape {str(shape)[:80]}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise DecodeError("an inline tensor whose data is not base64") from None
+    itemsize = (
+        torch.tensor([], dtype=dtypes[dtype]).element_size() if dtypes is _TORCH_DTYPES else dtypes[dtype].itemsize
+    )
+    if len(raw) != math.prod(shape) * itemsize:
+        raise DecodeError(f"an inline tensor of shape {shape} and dtype {dtype} with {len(raw)} bytes of data")
+    return raw, dtypes[dtype], shape
+
+
+def read_json(file: str, max_bytes: int = MAX_JSON_BYTES):
+    """A JSON file as Python objects, refusing what Python's json would take silently or fail on in a traceback:
+    not a regular file (a FIFO would block, a device never end; links are not followed), larger than `max_bytes`,
+    a key repeated in an object (json keeps the last one), nesting deep enough to exhaust the parser's recursion.
+    Raises ValueError (OSError for a file that cannot be opened) with a short reason."""
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > max_bytes:
+            raise ValueError(f"{info.st_size} bytes, more than the {max_bytes} a checkpoint's JSON file holds")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(raw, object_pairs_hook=_no_repeated_keys)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to parse") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text ({e.reason})") from None
+
+
+def _no_repeated_keys(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k[:80]!r} appears twice in one object")
+        out[k] = v
+    return out

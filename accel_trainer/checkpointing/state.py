@@ -1,0 +1,186 @@
+"""What a checkpoint holds besides trainer_state.json, and how each part is written and read back: no pickle.
+
+    model.safetensors        the plain model's weights (tied weights once, as safetensors' save_model keeps them)
+    model/                   sharded runs (FSDP2): the same weights as torch.distributed.checkpoint (DCP) shards in
+                             safetensors (torch's HuggingFaceStorageWriter: each rank writes its own part)
+    optimizer.json           the optimizer's state dict by parameter name (torch's get_optimizer_state_dict: the same
+                             form for every world, so a checkpoint moves between 1 process, DDP and FSDP), its
+                             tensors referenced by name (codec.py)
+    optimizer.safetensors    those of its tensors that are whole on every rank (all of them without FSDP)
+    optimizer/               sharded runs: its sharded tensors, as DCP safetensors shards
+    scheduler.json, scaler.json (fp16), rng_state_<rank>.json (each rank's random generators)
+
+Each JSON file is {"format", "step", "state"}: the step of the checkpoint it belongs to, so that a file copied in
+from another checkpoint is named, not loaded (verify.py). Accelerate's save_state/load_state are not used: their
+files are pickles (torch.save), load_state reads them a second time after any check of ours, and it skips a missing
+or broken RNG file with an info-level log line (a resumed run with other random numbers, silently).
+
+Writing is split for --save_async: capture() takes everything at this update in the training thread (the small
+files' contents, and the model and optimizer state dicts, whose tensors the async writer copies off the training
+ones); write_small() and write_tensors() write them, the latter possibly in a background thread.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import codec
+
+FORMAT = 2
+MODEL_FILE = "model.safetensors"
+SHARDED_MODEL = "model"
+OPTIMIZER_FILE = "optimizer.json"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+SHARDED_OPTIMIZER = "optimizer"
+SCHEDULER_FILE = "scheduler.json"
+SCALER_FILE = "scaler.json"
+RNG_FILE = "rng_state_{rank}.json"
+
+
+@dataclass
+class Captured:
+    """One update's state, taken in the training thread."""
+
+    step: int
+    sharded: bool
+    weights: dict | None  # the model's state dict (sharded: this rank's DTensors; else on the main process only)
+    optimizer: dict | None  # get_optimizer_state_dict (sharded: DTensors; else on the main process only)
+    small: dict  # file name -> state, written by this rank now (scheduler, scaler on the main process; its RNG)
+
+
+def is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def inner(optimizer):
+    """The torch optimizer under Accelerate's AcceleratedOptimizer."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def capture(accelerator, model, optimizer, scheduler, step: int, sharded: bool) -> Captured:
+    """Every rank: what a checkpoint at this update holds. Collective under FSDP (the state dicts of a sharded model
+    are read on every rank)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    main = accelerator.is_main_process
+    weights = optim = None
+    if sharded:
+        weights = get_model_state_dict(model)
+        optim = get_optimizer_state_dict(model, inner(optimizer))
+    elif main:
+        weights = accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
+        optim = get_optimizer_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), inner(optimizer))
+    small = {RNG_FILE.format(rank=accelerator.process_index): rng_states()}
+    if main:
+        small[SCHEDULER_FILE] = scheduler.state_dict()
+        if accelerator.scaler is not None:
+            small[SCALER_FILE] = accelerator.scaler.state_dict()
+    return Captured(step, sharded, weights, optim, small)
+
+
+def write_json(folder: str, name: str, step: int, state, tensors: dict | None = None):
+    tree = codec.encode(state, tensors, "")
+    with open(os.path.join(folder, name), "w") as f:
+        f.write(codec.dumps({"format": FORMAT, "step": step, "state": tree}))
+
+
+def write_small(folder: str, captured: Captured):
+    for name, state in captured.small.items():
+        write_json(folder, name, captured.step, state)
+
+
+def write_tensors(folder: str, captured: Captured, main: bool, process_group=None):
+    """The model and optimizer files (every rank under FSDP, the main process otherwise)."""
+    step = captured.step
+    if captured.sharded:
+        tensors: dict = {}
+        tree = codec.encode(captured.optimizer, tensors, "")
+        plain = {k: v for k, v in tensors.items() if not is_dtensor(v)}
+        _save_shards(os.path.join(folder, SHARDED_MODEL), captured.weights, process_group)
+        _save_shards(os.path.join(folder, SHARDED_OPTIMIZER), {k: v for k, v in tensors.items() if is_dtensor(v)},
+                     process_group)  # fmt: skip
+        if main:
+            save_weights(plain, os.path.join(folder, OPTIMIZER_TENSORS), step)
+            with open(os.path.join(folder, OPTIMIZER_FILE), "w") as f:
+                f.write(codec.dumps({"format": FORMAT, "step": step, "state": tree}))
+        return
+    if not main:
+        return
+    save_weights(captured.weights, os.path.join(folder, MODEL_FILE), step)
+    tensors = {}
+    write_json(folder, OPTIMIZER_FILE, step, captured.optimizer, tensors)
+    save_weights(tensors, os.path.join(folder, OPTIMIZER_TENSORS), step)
+
+
+def save_weights(state: dict, path: str, step: int | None = None):
+    """`state` as one safetensors file: tensors that are one (tied weights) stored once under the first name in
+    sorted order, the others named in the metadata ({dropped: kept}, as safetensors' save_model writes), so that
+    safetensors.torch.load_model restores the tie; `step` recorded in the metadata."""
+    from safetensors.torch import save_file
+
+    metadata = {"format": "pt"}
+    if step is not None:
+        metadata["step"] = str(step)
+    groups: dict = {}
+    for name in sorted(state):
+        t = state[name]
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        groups.setdefault(key if t.numel() else name, []).append(name)
+    out = {}
+    for names in groups.values():
+        out[names[0]] = state[names[0]].detach().to("cpu").contiguous()
+        metadata.update(dict.fromkeys(names[1:], names[0]))
+    save_file(out, path, metadata=metadata)
+
+
+def _save_shards(folder: str, state: dict, process_group):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    os.makedirs(folder, exist_ok=True)
+    dcp.save(
+        state,
+        storage_writer=HuggingFaceStorageWriter(folder, save_distributed=True),
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ random numbers
+def rng_states() -> dict:
+    """This process's random generators: Python's, NumPy's, torch's CPU one and the GPUs' (as Accelerate keeps)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> str | None:
+    """Restore rng_states(); raises ValueError naming what is wrong (every generator is checked before any is set).
+    Returns a note when the GPUs' generators cannot continue (a checkpoint of another machine)."""
+    need = {"python", "numpy", "torch"}
+    if not isinstance(states, dict) or not need <= set(states) or set(states) - need - {"cuda"}:
+        keys = sorted(states) if isinstance(states, dict) else type(states).__name__
+        raise ValueError(f"holds {keys}, not the generators python, numpy, torch (and cuda)")
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.set_rng_state(states["torch"])
+    except (TypeError, ValueError, RuntimeError, IndexError) as e:
+        random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
+        raise ValueError(f"holds a random state that cannot be restored ({type(e).__name__}: {e})") from None
+    cuda = states.get("cuda")
+    if torch.cuda.is_available():
+        if not isinstance(cuda, list) or len(cuda) != torch.cuda.device_count():
+            return "the GPUs' random generators start from the seed (the checkpoint holds no state for them here)"
+        torch.cuda.set_rng_state_all(cuda)
+    return None
