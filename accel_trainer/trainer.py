@@ -105,7 +105,9 @@ class Trainer:
         self.accelerator, self.process = configure_process(args)
         acc = self.accelerator
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
-        resume_path, kept_best = prepare_output_dir(acc, args)  # checked on every rank before any rank writes
+        # The run owns output_dir from here until fit() ends (a second run on it is refused); checked on every rank
+        # before any rank writes.
+        resume_path, kept_best, lock = prepare_output_dir(acc, args, self.reporter.print)
         self.ctx = resolved.ctx.complete(acc, targs=args, resume_from=resume_path)
         # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
         # arguments keep the user's --learning_rate.
@@ -166,7 +168,7 @@ class Trainer:
             optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
             fire=lambda event, *a: me().events.fire(event, me(), *a), before_save=lambda: me().log(),
             save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
-            if self.sharded else None, tokenizer=self.tokenizer,
+            if self.sharded else None, tokenizer=self.tokenizer, lock=lock,
         )  # fmt: skip
         self.profiler = None  # --profile_steps: torch's profiler over those updates (profiling.py)
         if args.profile_steps:
@@ -213,7 +215,15 @@ class Trainer:
     @python_api
     def fit(self) -> dict:
         """Train to `total_steps` optimizer updates, evaluating, logging and checkpointing on the way; after
-        train_step/overfit_batch, from the state the Trainer was built with (debugging.py)."""
+        train_step/overfit_batch, from the state the Trainer was built with (debugging.py). The run's lock on
+        output_dir is released when it returns or fails (a second fit() takes it again)."""
+        self.checkpoints.own_output_dir()
+        try:
+            return self._fit()
+        finally:
+            self.checkpoints.release_output_dir()
+
+    def _fit(self) -> dict:
         self._debug.rewind(self)
         args, p = self.args, self.progress
         bar = self._progress_bar()

@@ -124,12 +124,10 @@ class AsyncWriter:
 
     # ----------------------------------------------------------------------------------------- background thread
     def _write(self, tmp: str, big, commit, on_staged, guard):
-        from . import state as ckpt_state
-
         error: BaseException | None = None
         try:
             with guard() if guard is not None else contextlib.nullcontext():
-                ckpt_state.write_tensors(tmp, big, self.accelerator.is_main_process, self._group)
+                self._write_files(tmp, big)
             if on_staged is not None:
                 on_staged(tmp)
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the training thread
@@ -147,6 +145,11 @@ class AsyncWriter:
             self.error = error if isinstance(error, UserError) else _one_line(error, tmp)
             if self.on_failure is not None:
                 self.on_failure()
+
+    def _write_files(self, tmp: str, big):
+        from . import state as ckpt_state
+
+        ckpt_state.write_tensors(tmp, big, self.accelerator.is_main_process, self._group)
 
     def _agree(self, error: BaseException | None, what: str, from_main: bool = False) -> BaseException | None:
         """Every rank's outcome to every rank (bounded by the group's timeout). `from_main`: only the main

@@ -1,7 +1,7 @@
 """The checkpoint manager: the one object the Trainer talks to about checkpoints.
 
-    resume_path, kept_best = prepare_output_dir(accelerator, args)   # before any rank writes: resume or start anew
-    manager = CheckpointManager(accelerator, args, state=[progress, data, updater], data=data, ...)
+    resume_path, kept_best, lock = prepare_output_dir(accelerator, args)  # owns output_dir; resume or start anew
+    manager = CheckpointManager(accelerator, args, state=[progress, data, updater], data=data, lock=lock, ...)
     manager.resume(resume_path)                                        # every component loads its part
     manager.save() / manager.wait() / manager.announce_written()      # in fit(); --save_async writes in background
     with manager.guard(): ...                                          # no background write left behind on the way out
@@ -32,6 +32,7 @@ from ..errors import UserError
 from ..shards import full_state_dict
 from ..update import is_plain_torch
 from . import folder as ckpt_folder
+from . import lock as ckpt_lock
 from . import pretrained
 from . import resume as ckpt_resume
 from . import state as ckpt_state
@@ -43,14 +44,20 @@ PREVIOUS_RUN_FILES = (
 )  # fmt: skip
 
 
-def prepare_output_dir(accelerator, args) -> tuple[str | None, dict]:
+def prepare_output_dir(accelerator, args, say=None) -> tuple[str | None, dict, ckpt_lock.OutputLock | None]:
     """(the checkpoint to resume from (None: a new run), the best evaluation of an earlier attempt whose best/ is
-    kept (Progress fields)), once every rank has checked output_dir; then it exists."""
-    resume_path, kept_best = _check_output_dir(accelerator, args)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-    return resume_path, kept_best
+    kept (Progress fields), the lock the main process holds on output_dir (lock.py; None on the others)), once
+    every rank has checked output_dir; then it exists. The lock is taken first: a second run on the folder is
+    refused before it reads or moves anything there."""
+    lock = ckpt_resume.on_main(accelerator, lambda: ckpt_lock.acquire(args.output_dir, say), "output_dir", share=False)
+    try:
+        resume_path, kept_best = _check_output_dir(accelerator, args)
+        accelerator.wait_for_everyone()
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return resume_path, kept_best, lock
 
 
 def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
@@ -139,7 +146,7 @@ class CheckpointManager:
 
     def __init__(
         self, accelerator, args, *, state: list, data, model, optimizer, scheduler, ema, preemption, say, fire,
-        before_save, save_full_model=None, tokenizer=None,
+        before_save, save_full_model=None, tokenizer=None, lock=None,
     ):  # fmt: skip
         self.accelerator, self.args = accelerator, args
         self.components, self.data = state, data
@@ -147,6 +154,8 @@ class CheckpointManager:
         self.preemption, self.say, self.fire, self.before_save = preemption, say, fire, before_save
         self.save_full_model = save_full_model
         self.tokenizer = tokenizer
+        self.lock = lock  # the main process's lock on output_dir (lock.py), held until fit() ends
+        self.owns_output_dir = True
         self.saved_step = None  # the step of the last checkpoint written by this run
         self.pending_path = None  # a background write's folder, until checkpoint_written fired for it
         self.writer = self._async_writer() if args.save_async else None
@@ -186,7 +195,25 @@ class CheckpointManager:
         )
 
     # ------------------------------------------------------------------------------------------------- saving
+    def own_output_dir(self):
+        """The lock on output_dir, taken again by a fit() after an earlier one ended (and released it)."""
+        acc = self.accelerator
+        if not self.owns_output_dir:  # the same on every rank: the others wait for the main process's answer
+            self.lock = ckpt_resume.on_main(
+                acc, lambda: ckpt_lock.acquire(self.args.output_dir, self.say), "output_dir", share=False
+            )
+            self.owns_output_dir = True
+        if self.lock is not None:
+            self.lock.check(self.args.output_dir)
+
+    def release_output_dir(self):
+        self.owns_output_dir = False
+        if self.lock is not None:
+            self.lock.release()
+
     def save(self) -> str:
+        if self.lock is not None:
+            self.lock.check(self.args.output_dir)
         self.before_save()
         self.wait()  # one write at a time: the staging memory is reused, the order kept
         state = self.state_dict()

@@ -120,25 +120,33 @@ def effective_resume_spec(spec: str | None) -> str | None:
 def resolve_on_main(accelerator, spec: str, output_dir: str) -> str | None:
     """resolve_resume_path on the main process only (one reader of the files); the others get its answer, or
     its error, so that every rank resumes from the same folder or every rank stops with the same message."""
+    return on_main(accelerator, lambda: resolve_resume_path(spec, output_dir), f"--resume_from_checkpoint {spec}")
+
+
+def on_main(accelerator, fn, what: str, share: bool = True):
+    """fn() on the main process only. A UserError there is raised on every rank with the same message (the others
+    wait for it at a broadcast, not at the next collective). Returns fn()'s value, on every rank with `share`."""
+    from ..errors import UserError
+
     if accelerator.num_processes == 1:
-        return resolve_resume_path(spec, output_dir)
+        return fn()
     from accelerate.utils import broadcast_object_list
 
-    answer = [None, None]
+    answer, value = [None, None], None
     if accelerator.is_main_process:
         try:
-            answer = [resolve_resume_path(spec, output_dir), None]
-        except CheckpointError as e:
-            answer = [None, str(e)]
+            value = fn()
+            answer = [value if share else None, None]
+        except UserError as e:
+            answer = [None, (type(e).__name__, str(e))]
         except Exception as e:  # a bug: the others stop with its name instead of waiting at the broadcast
-            broadcast_object_list(
-                [None, f"--resume_from_checkpoint {spec}: the main process failed ({why(e)})."], from_process=0
-            )
+            broadcast_object_list([None, ("UserError", f"{what}: the main process failed ({why(e)}).")], from_process=0)
             raise
     broadcast_object_list(answer, from_process=0)
     if answer[1] is not None:
-        raise CheckpointError(answer[1])
-    return answer[0]
+        kind, message = answer[1]
+        raise (CheckpointError if kind == "CheckpointError" else UserError)(message)
+    return value if accelerator.is_main_process else answer[0]
 
 
 # ------------------------------------------------------------------------------------------------------- resuming

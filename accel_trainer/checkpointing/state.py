@@ -119,25 +119,20 @@ def write_tensors(folder: str, captured: Captured, main: bool, process_group=Non
     save_weights(tensors, os.path.join(folder, OPTIMIZER_TENSORS), step)
 
 
-def save_weights(state: dict, path: str, step: int | None = None):
-    """`state` as one safetensors file: tensors that are one (tied weights) stored once under the first name in
-    sorted order, the others named in the metadata ({dropped: kept}, as safetensors' save_model writes), so that
-    safetensors.torch.load_model restores the tie; `step` recorded in the metadata."""
+def save_weights(state: dict, path: str, step: int):
+    """`state` as one safetensors file: tensors that are one (tied weights) stored once, under the first name in
+    sorted order (safetensors.torch.load_model restores the tie from the model); `step` is the file's only
+    metadata (safetensors writes its metadata in hash order: a second key would make the bytes differ from one
+    process to the next)."""
     from safetensors.torch import save_file
 
-    metadata = {"format": "pt"}
-    if step is not None:
-        metadata["step"] = str(step)
     groups: dict = {}
     for name in sorted(state):
         t = state[name]
         key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         groups.setdefault(key if t.numel() else name, []).append(name)
-    out = {}
-    for names in groups.values():
-        out[names[0]] = state[names[0]].detach().to("cpu").contiguous()
-        metadata.update(dict.fromkeys(names[1:], names[0]))
-    save_file(out, path, metadata=metadata)
+    out = {names[0]: state[names[0]].detach().to("cpu").contiguous() for names in groups.values()}
+    save_file(out, path, metadata={"step": str(step)})
 
 
 def _save_shards(folder: str, state: dict, process_group):

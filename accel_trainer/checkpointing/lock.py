@@ -1,0 +1,138 @@
+"""A run owns its output folder for its whole life: an OS lock (flock) on `output_dir/.accel-trainer.lock`, held by
+the main process from the output folder's checks until fit() ends.
+
+Two runs on one folder lost a model: a second run started with `--resume_from_checkpoint auto` moved the live run's
+newest checkpoint aside and wrote its own model.safetensors, and both exited 0. Now the second one is refused in one
+line naming the first (its process, host, start and command, which the holder writes into the lock file).
+
+- The OS releases the lock when the holding process dies, however it dies: a SIGKILLed run leaves no stale lock.
+- A forked child (notebook_launcher's workers) does not inherit its parent's lock: it takes its own, or is told who
+  holds it (a Trainer in the notebook's kernel that has not finished).
+- In one process, a newer Trainer on the same folder takes the lock over from an older one (a notebook cell run
+  again): the older one can no longer write there (`check()` says so at its next checkpoint).
+- Several nodes on a shared file system: only the main process (rank 0) locks. flock is a lock across hosts on
+  NFSv4 and on Lustre mounted with `flock`; on a file system where it is local to a host (Lustre `localflock`,
+  NFS mounted `nolock`), a second run started on another host is not detected. Where flock is not supported at all
+  the run says so in a note line and goes on unlocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import socket
+import sys
+import time
+
+from ..errors import UserError
+
+LOCK_FILE = ".accel-trainer.lock"
+_held: dict = {}  # realpath of output_dir -> the OutputLock this process holds on it
+
+
+class OutputDirInUse(UserError):
+    """Another run holds the output folder."""
+
+
+class OutputLock:
+    def __init__(self, folder: str, fd: int | None):
+        self.folder, self.fd = folder, fd
+        self.taken_over = False
+
+    def check(self, output_dir: str):
+        """Raise when a newer Trainer in this process took the folder over: this one must not write there."""
+        if self.taken_over:
+            raise OutputDirInUse(
+                f"output_dir {output_dir} was taken over by a newer Trainer in this process; this one no longer "
+                "writes there. Use the newer one, or give this one another output_dir."
+            )
+
+    def __del__(self):  # a Trainer dropped before its fit() ended
+        with contextlib.suppress(Exception):  # at interpreter exit the module's globals may be gone: the OS releases
+            self.release()
+
+    def release(self):
+        if _held.get(self.folder) is self:
+            del _held[self.folder]
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+
+
+def acquire(output_dir: str, say=None) -> OutputLock:
+    """The lock on `output_dir` (created if needed) for this process, or OutputDirInUse naming its holder."""
+    import fcntl
+
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"output_dir {output_dir} cannot be created ({e.strerror}): give an --output_dir on a writable disk."
+        ) from None
+    real = os.path.realpath(output_dir)
+    old = _held.get(real)
+    if old is not None:  # an earlier Trainer of this process: the newer one takes the folder over
+        old.taken_over = True
+        lock = OutputLock(real, old.fd)
+        old.fd = None
+        _held[real] = lock
+        return lock
+    path = os.path.join(real, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    except OSError as e:  # a read-only folder or mount, a folder of another user
+        raise UserError(
+            f"output_dir {output_dir} is not writable ({e.strerror}: {path}): the run writes its checkpoints and "
+            "model there. Make it writable, or give another --output_dir."
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise OutputDirInUse(
+            f"output_dir {output_dir} is in use by another run ({holder}): two runs in one folder would write over "
+            "each other's checkpoints and model. Wait for it to end, or give another --output_dir."
+        ) from None
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        if say is not None:
+            say(f"note: output_dir {output_dir} cannot be locked on this file system ({e.strerror}): a second run "
+                "started on it would not be refused.")  # fmt: skip
+        return OutputLock(real, None)
+    os.ftruncate(fd, 0)
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": " ".join(sys.argv)[:500]}  # fmt: skip
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    lock = OutputLock(real, fd)
+    _held[real] = lock
+    return lock
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its holder wrote it; 'unknown' when the record cannot be read."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"null")
+        where = f"process {record['pid']} on {record['host']}, started {record['started']}"
+        if record["pid"] == os.getppid() and record["host"] == socket.gethostname():
+            where += (" -- this process's parent, e.g. a notebook kernel holding a Trainer whose fit() has not "
+                      "ended: let it end, or del that Trainer")  # fmt: skip
+        return f"{where}: {record['command']}" if record.get("command") else where
+    except (OSError, ValueError, TypeError, KeyError):
+        return "a process that did not say which"
+
+
+def _forget_in_child():
+    """After fork: the child holds none of its parent's locks (it may take its own)."""
+    for lock in list(_held.values()):
+        if lock.fd is not None:
+            os.close(lock.fd)  # the parent's descriptor keeps the flock
+            lock.fd = None
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
