@@ -26,7 +26,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def child_env(threads: int | None = 1, **extra: str) -> dict:
     """os.environ for a child run: offline (nothing from the Hub: fail fast instead of retrying), no progress
     colours, unbuffered output, `threads` OpenMP/MKL threads per process (None: as inherited), outside any outer
-    launch's world (no WORLD_SIZE), importing this checkout's accel_trainer first; then `extra`."""
+    launch's world (no WORLD_SIZE), importing this checkout's accel_trainer first; then `extra`.
+
+    This is a tidier environment than a user's, and the one place that says why: `threads` (1 by default) keeps the
+    suite fast on a small machine, where two lanes of tests share two cores and every 2-process run would
+    otherwise start one thread per core in each process; and it keeps the thread count, and so the order of
+    float reductions, the same on every machine for runs that the tests compare with each other.
+    TOKENIZERS_PARALLELISM=false keeps out the warning tokenizers prints in each process it finds forked after
+    its own threads ran. A user has none of these: `user_env` is the environment a user has, and each way to run
+    (python, accelerate launch, accel-trainer launch, notebook_launcher, the README's notebook in a kernel, the
+    README's commands) has a test in it (tests/test_user_conditions.py, test_notebook.py, test_readme.py)."""
     env = dict(os.environ)
     env.update(
         HF_HUB_OFFLINE="1",
@@ -40,6 +49,20 @@ def child_env(threads: int | None = 1, **extra: str) -> dict:
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env.pop("WORLD_SIZE", None)
+    env.update(extra)
+    return env
+
+
+USER_UNSET = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+
+
+def user_env(**extra: str) -> dict:
+    """child_env as a user has it: torch's default threads and no TOKENIZERS_PARALLELISM (USER_UNSET removed,
+    also when the caller's own environment sets them); still offline, outside any outer world, this checkout
+    first; then `extra`."""
+    env = child_env(threads=None)
+    for name in USER_UNSET:
+        env.pop(name, None)
     env.update(extra)
     return env
 

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "recipes")
 # Children are started as the benches start theirs: one harness (bench/harness.py, a plain module on bench/).
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from harness import FSDP2, flags, free_port, launch_cmd  # noqa: E402, F401 - re-exported for the tests
+from harness import FSDP2, flags, free_port, launch_cmd, user_env  # noqa: E402, F401 - re-exported for the tests
 from harness import child_env as env  # noqa: E402, F401
 from harness import read_metrics as metrics  # noqa: E402, F401
 from harness import read_run_config as run_config  # noqa: E402, F401
@@ -69,6 +69,26 @@ def run(
 def call(cmd: list[str], timeout: float, **extra_env) -> subprocess.CompletedProcess:
     """`cmd` run from the repository root in the tests' environment, its output captured, its wait bounded."""
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(**extra_env), cwd=ROOT)
+
+
+def call_in_session(cmd: list[str], timeout: float, env: dict, cwd=None) -> subprocess.CompletedProcess:
+    """`cmd` in a session of its own, its output captured. Past `timeout` the whole session is killed, the processes
+    a launcher forked too (they would hang on, holding their port), and the test fails naming the bound."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd or ROOT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"{' '.join(map(str, cmd))[:120]} ... still running after {timeout:.0f} s, killed:\n"
+                             f"STDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-3000:]}") from None  # fmt: skip
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the launch left behind
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def two_machine_config(directory, *, port=None, rdzv=None, main_ip="127.0.0.1", name="two", extra=()) -> str:

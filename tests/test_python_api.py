@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import RECIPES, ROOT, env, launch_cmd, weights
+from helpers import RECIPES, ROOT, env, launch_cmd, user_env, weights
 from safetensors.torch import load_model
 
 sys.path.insert(0, RECIPES)
@@ -165,6 +165,7 @@ def test_build_once_gives_every_rank_and_the_resume_the_same_artifact(tmp_path):
 
 
 LAUNCH_FROM_A_NOTEBOOK = """
+import torch
 from accel_trainer import notebook_launcher
 
 def train():
@@ -173,6 +174,7 @@ def train():
     state = PartialState(cpu=True)
     print(f"rank {state.process_index} of {state.num_processes}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
 
+print("kernel threads", torch.get_num_threads())
 notebook_launcher(train, num_processes=2, use_port="{port}")
 """
 
@@ -184,19 +186,27 @@ def test_notebook_launcher_on_a_cpu_says_cpu_processes_and_warns_nothing(tmp_pat
 
     script = tmp_path / "launch.py"
     script.write_text(LAUNCH_FROM_A_NOTEBOOK.replace("{port}", str(free_port())))
-    child = env(threads=None)
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        child.pop(name, None)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=child)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=user_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     assert "CUDA" not in output and "OMP_NUM_THREADS/MKL_NUM_THREADS unset" not in output, output
-    assert "Launching training on 2 CPU processes (no GPU here), OMP_NUM_THREADS=1 each" in proc.stdout
+    # Each process its share of the kernel's threads (1 on a 2-core machine; tests/test_user_conditions.py).
+    share = max(1, int(re.search(r"kernel threads (\d+)", proc.stdout).group(1)) // 2)
+    assert f"Launching training on 2 CPU processes (no GPU here), OMP_NUM_THREADS={share} each" in proc.stdout
     # Two processes print to one pipe: their lines can run together ("...=1rank 1 of 2, ..."), so find, not split.
     assert sorted(re.findall(r"rank \d of 2, OMP_NUM_THREADS=\d+", proc.stdout)) == [
-        "rank 0 of 2, OMP_NUM_THREADS=1",
-        "rank 1 of 2, OMP_NUM_THREADS=1",
+        f"rank 0 of 2, OMP_NUM_THREADS={share}",
+        f"rank 1 of 2, OMP_NUM_THREADS={share}",
     ]
+
+
+def test_notebook_launcher_names_an_omp_num_threads_that_is_not_a_number(monkeypatch):
+    # It launched, and each process that built a Trainer failed in Accelerate's int() of it: a ValueError traceback.
+    from accel_trainer import notebook_launcher
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "four")
+    e = python_error(lambda: notebook_launcher(print, num_processes=2))
+    assert "OMP_NUM_THREADS='four' is not a number of threads" in str(e) and "unset it" in str(e)
 
 
 def test_the_end_lines_load_hint_loads_what_was_saved(tmp_path):

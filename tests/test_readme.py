@@ -9,7 +9,7 @@ import shlex
 import subprocess
 import sys
 
-from helpers import ROOT, env
+from helpers import ROOT, env, user_env
 
 README = os.path.join(ROOT, "README.md")
 
@@ -70,7 +70,9 @@ def test_the_example_command_trains_offline_as_written(tmp_path):
     cmd = command("run the example")
     assert cmd.startswith("python recipes/"), cmd
     argv = [sys.executable] + shlex.split(cmd)[1:]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env(HF_HUB_OFFLINE="1"))
+    # In a user's environment (harness.user_env), as the README's recipe below: the README's commands are run as a
+    # reader runs them.
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=user_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / shlex.split(cmd)[shlex.split(cmd).index("--output_dir") + 1]
     losses = [r["loss"] for r in metric_rows(out) if "loss" in r]
@@ -83,7 +85,7 @@ def test_the_readme_recipe_trains_and_its_model_loads_as_the_readme_says(tmp_pat
     # The first of the README's three ways to run it, for a few steps.
     proc = subprocess.run(
         [sys.executable, "my_recipe.py", "--output_dir", "out/my", "--max_steps", "40", "--logging_steps", "5"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env(),
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=user_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [r["loss"] for r in metric_rows(tmp_path / "out" / "my") if "loss" in r]
@@ -98,8 +100,9 @@ def test_the_readme_recipe_trains_and_its_model_loads_as_the_readme_says(tmp_pat
         "    print('MSE', torch.nn.functional.mse_loss(model(x), torch.sin(x)).item())\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", load + check], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env()
-    )
+        [sys.executable, "-c", load + check], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env=user_env(),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     mse = float(proc.stdout.split("MSE")[-1])
     final_eval = [r["eval_loss"] for r in metric_rows(tmp_path / "out" / "my") if "eval_loss" in r][-1]
