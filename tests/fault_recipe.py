@@ -26,6 +26,8 @@ Nothing of this lives in the Trainer: it is a recipe that attaches to update_end
                                               samples also under no_grad, as a forward whose first activation
                                               alone does not fit (seen on an H100): the first-batch check too
                                buffer=1       the model has a buffer (DDP broadcasts it in a window's first forward)
+                               gate_at=N      after update N every rank waits (at most 120 s) until the file
+                                              <output_dir>.gate exists: a test acts while the run is mid-flight
                                hold_save=N    the background write (--save_async) of step N holds before its
                                               commit until one of the three faults above has fired, then until
                                               the process is exiting or 3 s have passed: a run that leaves fit()
@@ -143,7 +145,7 @@ def build_data(ctx):
     return data
 
 
-KEYS = ("step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
+KEYS = ("gate_at", "step_delay", "save_delay", "exit_at", "hang_at", "build_delay", "save_fail", "raise_at", "nan_at", "sigint_at",
         "hold_save", "sleep_in_loss", "nan_sample", "store_delay", "oom_above", "oom_once", "forward_oom_above", "buffer")  # fmt: skip
 
 
@@ -205,6 +207,10 @@ def on_update_end(trainer):
         _last_update.set()
         _watcher_waits.wait(timeout=5)
         time.sleep(0.1)  # inside the store's wait by now (it lets the GIL go)
+    if f.get("gate_at") == (step,):
+        gate, waited = trainer.args.output_dir.rstrip("/") + ".gate", time.monotonic()
+        while not os.path.exists(gate) and time.monotonic() - waited < 120:
+            time.sleep(0.05)
     if f.get("exit_at") == (rank, step) and restart_count() == 0:
         print(f"[test fault] rank {rank} exits with status 3 after step {step}", file=sys.stderr, flush=True)
         os._exit(3)

@@ -17,6 +17,7 @@ from .folder import (
     CheckpointError,
     checkpoints_root,
     list_checkpoints,
+    not_checkpoints,
     remove_stale_tmp,
     restore_set_aside,
     set_aside_newer,
@@ -38,6 +39,9 @@ def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
     if spec in ("latest", "auto"):
         for path in restore_set_aside(output_dir):
             log(f"Restored {path}: killed while the same step was being written again.")
+        for path in not_checkpoints(output_dir):
+            log(f"warning: skipping {path}: named like a checkpoint, but not a folder (a symbolic link, a file): not "
+                "one this run wrote.")  # fmt: skip
         found = list_checkpoints(output_dir)
         if not found:
             if spec == "auto":
