@@ -181,7 +181,7 @@ class CheckpointManager:
         acc = self.accelerator
         state, position = ckpt_resume.resume(
             acc, path, self.args, self.model, self.optimizer, self.scheduler, ema=self.ema,
-            streaming=self.data.per_rank, say=self.say,
+            streaming=self.data.per_rank, batches_per_epoch=getattr(self.data, "batches_per_epoch", None), say=self.say,
         )  # fmt: skip
         here = {**state, "batch_in_epoch": position}  # this rank's place in the epoch on this world size
         for component in self.components:

@@ -155,13 +155,21 @@ def on_main(accelerator, fn, what: str, share: bool = True):
 
 # ------------------------------------------------------------------------------------------------------- resuming
 def resume(
-    accelerator, path: str, args, model, optimizer, scheduler, *, ema=None, streaming=False, say=_say
-) -> tuple[dict, int]:
+    accelerator, path: str, args, model, optimizer, scheduler, *, ema=None, streaming=False, batches_per_epoch=None,
+    say=_say,
+) -> tuple[dict, int]:  # fmt: skip
     """Load the verified checkpoint `path` into the run, on every rank; returns (its trainer state, this rank's
     micro-batch position in the epoch: resumed_position). The main process then tidies output_dir for the run
     that continues: interrupted writes removed, newer checkpoints set aside (`say` prints the first)."""
     saved = ckpt_load.check_state(path)
     position = resumed_position(saved, path, args, accelerator.num_processes, streaming)
+    if batches_per_epoch is not None and position >= batches_per_epoch:
+        raise CheckpointError(
+            f"Checkpoint {path}: {os.path.join(path, STATE_FILE)} holds batch_in_epoch {saved['batch_in_epoch']} "
+            f"(written by {saved['num_processes']} process(es)), at or past the end of an epoch of this data "
+            f"({batches_per_epoch} micro-batches per process here): a checkpoint of other data, or a damaged one. "
+            "Resume with the data it was written with, or from another checkpoint."
+        )
     quiet = lambda line: None  # noqa: E731
     _check_ema(path, ema, say if accelerator.is_main_process else quiet)
     state = ckpt_load.load_checkpoint(
