@@ -525,3 +525,42 @@ def test_a_run_folder_or_a_file_given_for_a_checkpoint_names_what_to_pass(traine
         make(out, max_steps=16, resume_from_checkpoint=str(trained))
     with pytest.raises(CheckpointError, match=r"model.safetensors': a file, not a folder. Pass a checkpoint folder"):
         make(out, max_steps=16, resume_from_checkpoint=str(trained / "model.safetensors"))
+
+
+def _frozen_base_recipe(width: int = 256, base_seed: int = 0):
+    """regression with a wide frozen first layer (a pretrained base, drawn from `base_seed`) and a small head that
+    trains: what fine-tuning a LoRA adapter looks like to a checkpoint."""
+    from accel_trainer.recipe import Recipe
+
+    def build_model(ctx):
+        torch.manual_seed(base_seed)  # the base is the same however the run's seed is set: as from_pretrained
+        base = torch.nn.Linear(16, width)
+        base.requires_grad_(False)
+        return torch.nn.Sequential(base, torch.nn.Tanh(), torch.nn.Linear(width, 4))
+
+    return Recipe(build_model=build_model, build_data=regression.build_data, loss=regression.loss,
+                  Args=regression.Args, name="frozen_base")  # fmt: skip
+
+
+def test_a_frozen_base_is_not_in_the_checkpoints_and_resumes_bit_identically(tmp_path):
+    """A checkpoint holds what trains (the head, its optimizer state) and the frozen base's fingerprints, not the
+    base (before: the whole base in every checkpoint); resumed, the run ends with the uninterrupted run's bytes. A
+    base that build_model builds otherwise (other weights) is refused in one line."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    make(whole, _frozen_base_recipe(), max_steps=12, save_steps=4).fit()
+    trainer = make(cut, _frozen_base_recipe(), max_steps=12, save_steps=4)
+    trainer.on(
+        "checkpoint_written", lambda t, path: (_ for _ in ()).throw(KeyboardInterrupt) if t.global_step == 8 else None
+    )
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    folder = cut / "checkpoints" / "step_8"
+    held = load_file(folder / "model.safetensors")
+    assert sorted(held) == ["2.bias", "2.weight"]  # the frozen 0.weight and 0.bias are not there
+    assert json.load(open(folder / "frozen.json"))["state"].keys() == {"0.bias", "0.weight"}
+    model_bytes = os.path.getsize(whole / "model.safetensors")
+    assert os.path.getsize(folder / "model.safetensors") < model_bytes / 4  # the head: 1028 of 5380 parameters
+    make(cut, _frozen_base_recipe(), max_steps=12, save_steps=4, resume_from_checkpoint="latest").fit()
+    assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match=r"frozen parameters \(2, e.g. 0.bias\) differ from those .*frozen.json"):
+        make(tmp_path / "other", _frozen_base_recipe(base_seed=1), max_steps=16, resume_from_checkpoint=str(folder))

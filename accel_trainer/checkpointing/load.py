@@ -142,8 +142,13 @@ def load_weights(path: str, model, sharded: bool):
         from safetensors.torch import load_model
 
         file = os.path.join(path, ckpt_state.MODEL_FILE)
-        check_tensors(path, file, file_tensors(path, file), model.state_dict())
-        load_model(model, file, device="cpu")
+        found, state = file_tensors(path, file), model.state_dict()
+        frozen = _check_frozen(path, model)
+        found.update({k: (tuple(state[k].shape), _dtype(state[k])) for k in frozen})  # rebuilt by build_model
+        check_tensors(path, file, found, state)
+        missing, _ = load_model(model, file, strict=False, device="cpu")
+        if set(missing) - set(frozen):  # check_tensors compared every name first: a tie this model does not have
+            raise CheckpointError(f"Checkpoint {path}: {file} lacks {sorted(set(missing) - set(frozen))[:3]}.")
         return
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -152,6 +157,24 @@ def load_weights(path: str, model, sharded: bool):
     check_tensors(path, where, sharded_tensors(path, shard_files(path, ckpt_state.SHARDED_MODEL), scan=False), state)
     _dcp_load(path, where, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
     set_model_state_dict(model, state)
+
+
+def _check_frozen(path: str, model) -> dict:
+    """A checkpoint of a model with frozen parameters holds their fingerprints (frozen.json), not them: the model
+    build_model built here must have the same ones (the same base weights), or the resumed run is another."""
+    file = os.path.join(path, ckpt_state.FROZEN_FILE)
+    if not os.path.isfile(file):
+        return {}
+    saved = read_state_file(path, file, check_state(path)["global_step"])
+    live = ckpt_state.fingerprints(model, saved) if isinstance(saved, dict) else {}
+    if not isinstance(saved, dict) or live != saved:
+        differ = sorted(k for k in saved if live.get(k) != saved[k]) if isinstance(saved, dict) else ["everything"]
+        raise CheckpointError(
+            f"Checkpoint {path}: the model's frozen parameters ({len(saved)}, e.g. {differ[0]}) differ from those "
+            f"{file} records: build_model must build the model the checkpoint was trained on (the same base weights); "
+            "the checkpoint holds what trained, not them."
+        )
+    return saved
 
 
 def load_optimizer(path: str, model, opt, template: dict, step: int, sharded: bool):

@@ -159,6 +159,11 @@ class CheckpointManager:
         self.saved_step = None  # the step of the last checkpoint written by this run
         self.pending_path = None  # a background write's folder, until checkpoint_written fired for it
         self.writer = self._async_writer() if args.save_async else None
+        # The frozen parameters as built (a LoRA adapter's base): checkpoints hold their fingerprints, not them,
+        # while they stay unchanged (state.py). Not under FSDP, whose checkpoints hold each rank's shards.
+        self.sharded = accelerator.distributed_type == DistributedType.FSDP
+        plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+        self.frozen = ckpt_state.frozen(plain) if accelerator.is_main_process and not self.sharded else {}
 
     # ----------------------------------------------------------------------------------------------- run state
     def state_dict(self) -> dict:
@@ -220,7 +225,7 @@ class CheckpointManager:
         step = state["global_step"]
         acc = self.accelerator
         captured = ckpt_state.capture(
-            acc, self.model, self.optimizer, self.scheduler, step, acc.distributed_type == DistributedType.FSDP
+            acc, self.model, self.optimizer, self.scheduler, step, self.sharded, frozen=self.frozen
         )
         path = ckpt_folder.save_checkpoint(
             acc,

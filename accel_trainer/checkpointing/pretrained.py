@@ -17,7 +17,7 @@ import os
 import shutil
 
 from ..errors import UserError
-from .folder import disk_full_is_one_line, fsync_path
+from .folder import disk_full_is_one_line, follow_umask, fsync_path
 
 # output_dir entries that never go to the Hub: the run's checkpoints, best models, half-written files.
 NOT_PUSHED = ["checkpoints/*", "best/*", "best.previous-*/*", "*.tmp", "*.tmp/*", "error_after_training.txt"]
@@ -61,6 +61,7 @@ def write_folder(model, state_dict: dict, folder: str, output_dir: str, tokenize
             tokenizer.save_pretrained(tmp)
         written = sorted(os.listdir(tmp))
         for name in written:
+            follow_umask(os.path.join(tmp, name))  # safetensors writes 0600; colleagues read the model too
             fsync_path(os.path.join(tmp, name))
     # Weights of an earlier save that this one does not replace (sharded then, one file now) would be read as
     # this model's: removed first.

@@ -9,6 +9,9 @@
     optimizer.safetensors    those of its tensors that are whole on every rank (all of them without FSDP)
     optimizer/               sharded runs: its sharded tensors, as DCP safetensors shards
     scheduler.json, scaler.json (fp16), rng_state_<rank>.json (each rank's random generators)
+    frozen.json              a model with frozen parameters (a LoRA adapter on a pretrained base): their names and
+                             fingerprints; model.safetensors then holds what trains and the buffers, not the frozen
+                             base, which build_model builds again (checked against the fingerprints on resume)
 
 Each JSON file is {"format", "step", "state"}: the step of the checkpoint it belongs to, so that a file copied in
 from another checkpoint is named, not loaded (verify.py). Accelerate's save_state/load_state are not used: their
@@ -40,6 +43,7 @@ SHARDED_OPTIMIZER = "optimizer"
 SCHEDULER_FILE = "scheduler.json"
 SCALER_FILE = "scaler.json"
 RNG_FILE = "rng_state_{rank}.json"
+FROZEN_FILE = "frozen.json"
 
 
 @dataclass
@@ -64,20 +68,26 @@ def inner(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def capture(accelerator, model, optimizer, scheduler, step: int, sharded: bool) -> Captured:
+def capture(accelerator, model, optimizer, scheduler, step: int, sharded: bool, frozen: dict | None = None) -> Captured:
     """Every rank: what a checkpoint at this update holds. Collective under FSDP (the state dicts of a sharded model
-    are read on every rank)."""
+    are read on every rank). `frozen`: the fingerprints of the model's frozen parameters as built (frozen());
+    while they are unchanged, the checkpoint holds them, not the weights."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     main = accelerator.is_main_process
     weights = optim = None
+    small = {}
     if sharded:
         weights = get_model_state_dict(model)
         optim = get_optimizer_state_dict(model, inner(optimizer))
     elif main:
-        weights = accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
-        optim = get_optimizer_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), inner(optimizer))
-    small = {RNG_FILE.format(rank=accelerator.process_index): rng_states()}
+        plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+        weights = plain.state_dict()
+        optim = get_optimizer_state_dict(plain, inner(optimizer))
+        if frozen and fingerprints(plain, frozen) == frozen:
+            weights = {k: v for k, v in weights.items() if k not in frozen}
+            small[FROZEN_FILE] = frozen
+    small[RNG_FILE.format(rank=accelerator.process_index)] = rng_states()
     if main:
         small[SCHEDULER_FILE] = scheduler.state_dict()
         if accelerator.scaler is not None:
@@ -147,6 +157,35 @@ def _save_shards(folder: str, state: dict, process_group):
         process_group=process_group,
         no_dist=not dist.is_initialized(),
     )
+
+
+# ------------------------------------------------------------------------------------------------ frozen weights
+def frozen(model) -> dict:
+    """{state-dict name: fingerprint} of the model's frozen parameters (requires_grad False): the part of a model
+    that fine-tuning does not change, e.g. the base under a LoRA adapter."""
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return fingerprints(model, names) if names else {}
+
+
+def fingerprints(model, names) -> dict:
+    """[shape, dtype, two checksums of the bits] per name: exact integer sums, the same on any device and in any
+    reduction order, the second weighted by position (a permutation changes it)."""
+    state = model.state_dict(keep_vars=True)
+    return {n: _fingerprint(state[n].detach()) for n in sorted(names) if n in state}
+
+
+def _fingerprint(t: torch.Tensor) -> list:
+    flat = t.contiguous().view(-1)
+    size = flat.element_size()
+    bits = flat.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8)  # 8 bytes: two int32s
+    plain = weighted = 0
+    chunk = 1 << 22  # int64 temporaries of bounded size; no sum of a chunk can overflow int64 (2**31 * 2**8 * 2**22)
+    for start in range(0, bits.numel(), chunk):
+        x = bits[start : start + chunk].to(torch.int64)
+        position = torch.arange(start, start + x.numel(), device=x.device) % 251 + 1
+        plain += int(x.sum())
+        weighted += int((x * position).sum())
+    return [list(t.shape), str(t.dtype).removeprefix("torch."), plain, weighted]
 
 
 # ------------------------------------------------------------------------------------------------ random numbers

@@ -37,7 +37,7 @@ STREAM_FILE = re.compile(r"^data_state_rank(\d+)\.json$")  # a stream's per-rank
 RNG_FILE = re.compile(r"^rng_state_(\d+)\.json$")
 _TOP = {
     MANIFEST_FILE, STATE_FILE, EMA_FILE, ckpt_state.MODEL_FILE, ckpt_state.OPTIMIZER_FILE,
-    ckpt_state.OPTIMIZER_TENSORS, ckpt_state.SCHEDULER_FILE, ckpt_state.SCALER_FILE,
+    ckpt_state.OPTIMIZER_TENSORS, ckpt_state.SCHEDULER_FILE, ckpt_state.SCALER_FILE, ckpt_state.FROZEN_FILE,
 }  # fmt: skip
 _SHARD_DIRS = (ckpt_state.SHARDED_MODEL, ckpt_state.SHARDED_OPTIMIZER)
 # The files of accel-trainer <= 0.2's checkpoints (Accelerate's save_state, DCP's FileSystemWriter): pickles.
