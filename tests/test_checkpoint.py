@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from helpers import RECIPES
+from helpers import RECIPES, env
 from safetensors.torch import load_file
 
 sys.path.insert(0, RECIPES)
@@ -564,3 +564,18 @@ def test_a_frozen_base_is_not_in_the_checkpoints_and_resumes_bit_identically(tmp
     assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
     with pytest.raises(CheckpointError, match=r"frozen parameters \(2, e.g. 0.bias\) differ from those .*frozen.json"):
         make(tmp_path / "other", _frozen_base_recipe(base_seed=1), max_steps=16, resume_from_checkpoint=str(folder))
+
+
+def test_a_resume_reads_no_pickle(trained, tmp_path):
+    """Nothing in a checkpoint goes through an unpickler: resumed in a process where torch.load, pickle.load and a
+    pickle.Unpickler over a file raise (tests/tripwire_recipe.py), the run resumes and trains on. (Until 0.2 the
+    optimizer, scheduler and RNG states were pickles: this run failed at the first of them.)"""
+    out = copy_run(trained, tmp_path / "run")
+    recipe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tripwire_recipe.py")
+    proc = subprocess.run(
+        [sys.executable, recipe, "--output_dir", str(out), "--max_steps", "16", "--save_steps", "4",
+         "--per_device_train_batch_size", "16", "--resume_from_checkpoint", str(out / "checkpoints" / "step_8")],
+        capture_output=True, text=True, timeout=240, env=env(),
+    )  # fmt: skip
+    assert proc.returncode == 0 and "tripwire" not in proc.stderr, proc.stderr[-3000:]
+    assert "Resumed from" in proc.stderr + proc.stdout

@@ -287,7 +287,7 @@ def test_sigusr1_to_one_rank_stops_all_ranks_at_the_same_checkpoint(tmp_path, ru
     assert rc != 0 and log.count(f"exitcode  : {EXIT_PREEMPTED}") == 2, log  # torchrun's report, both ranks
     (ckpt,) = os.listdir(out / "checkpoints")
     m = json.load(open(out / "checkpoints" / ckpt / "manifest.json"))
-    assert m["num_processes"] == 2 and {"random_states_0.pkl", "random_states_1.pkl"} <= set(m["files"])
+    assert m["num_processes"] == 2 and {"rng_state_0.json", "rng_state_1.json"} <= set(m["files"])
     r.no_process_left()
     r = start(runs, tmp_path, out, 2, ["--save_steps", "0", "--resume_from_checkpoint", "latest"])
     assert r.wait() == 0, r.output()

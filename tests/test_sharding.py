@@ -41,6 +41,7 @@ sys.path.insert(0, RECIPES)
 import regression  # noqa: E402
 
 FAULT_RECIPE = os.path.join(ROOT, "tests", "fault_recipe.py")
+TRIPWIRE = os.path.join(ROOT, "tests", "tripwire_recipe.py")  # regression, where unpickling a file raises
 DEADLINE = 240  # seconds any launch may take on a loaded 2-core machine
 # 256 samples, global batch 32 (8 per process x 2 processes x accumulation 2, or 16 x 1 x 2): 8 updates per epoch,
 # so 20 updates cross two epoch boundaries. --max_grad_norm 0.8 is below the first updates' norms: clipping acts.
@@ -81,7 +82,8 @@ def assert_same(a: dict, b: dict, atol: float, rtol: float = 1e-5):
 def reg(tmp_path_factory):
     """The wizard's CPU FSDP config; then, started together (they are mostly start-up time): FSDP, DDP and 1-process
     runs, and an FSDP run killed mid-epoch; then the killed run resumed from `latest`, and the FSDP run's
-    mid-epoch checkpoint resumed on 1 process."""
+    mid-epoch checkpoint resumed on 1 process, both in processes where reading a pickle fails (tripwire_recipe.py):
+    a checkpoint goes through no unpickler."""
     from accel_trainer.cli import main as cli
 
     d = tmp_path_factory.mktemp("reg")
@@ -114,10 +116,10 @@ def reg(tmp_path_factory):
         # the 2-process FSDP run's checkpoint at update 4 (mid-epoch), continued on 1 process
         shutil.copytree(os.path.join(out["fsdp"], "checkpoints", "step_4"), os.path.join(out["one"], "checkpoints",
                         "step_4"))  # fmt: skip
-        started["resumed"] = launch(fsdp_launcher(config) + [FAULT_RECIPE, "--output_dir", out["killed"],
+        started["resumed"] = launch(fsdp_launcher(config) + [TRIPWIRE, "--output_dir", out["killed"],
                                     "--resume_from_checkpoint", "latest"] + REG + PER_DEVICE[2],
                                     out["killed"] + "-resumed.log")  # fmt: skip
-        started["one"] = launch([sys.executable, script, "--output_dir", out["one"], "--resume_from_checkpoint",
+        started["one"] = launch([sys.executable, TRIPWIRE, "--output_dir", out["one"], "--resume_from_checkpoint",
                                 "latest"] + REG + PER_DEVICE[1], out["one"] + ".log")  # fmt: skip
         logs["resumed"], logs["one"] = started["resumed"].wait_ok(), started["one"].wait_ok()
     finally:

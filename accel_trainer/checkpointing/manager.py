@@ -49,6 +49,13 @@ def prepare_output_dir(accelerator, args, say=None) -> tuple[str | None, dict, c
     kept (Progress fields), the lock the main process holds on output_dir (lock.py; None on the others)), once
     every rank has checked output_dir; then it exists. The lock is taken first: a second run on the folder is
     refused before it reads or moves anything there."""
+    spec = args.resume_from_checkpoint
+    if (
+        spec
+        and not spec.startswith(("latest", "auto"))
+        and not _within(spec, ckpt_folder.checkpoints_root(args.output_dir))
+    ):
+        _refuse_overlap(spec, args.output_dir)  # before the lock file is written into output_dir (the checkpoint)
     lock = ckpt_resume.on_main(accelerator, lambda: ckpt_lock.acquire(args.output_dir, say), "output_dir", share=False)
     try:
         resume_path, kept_best = _check_output_dir(accelerator, args)
