@@ -141,7 +141,13 @@ class TrainingArguments:
 
     # --- data ----------------------------------------------------------------------------------------------------
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N train samples."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N eval samples."})
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate on N samples drawn with --seed from the whole eval split (the same N on any world "
+            "size, in every evaluation), not the first N: those of a split sorted by label hold one label."
+        },
+    )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     dataloader_drop_last: bool = field(default=False, metadata={"help": "Drop the last incomplete train batch."})
 
