@@ -109,10 +109,22 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
 
 
 def default_collate(recipe_name: str, samples: list):
-    """torch's default collate, its failure on samples of different sizes one line naming the fix (it said only
-    "stack expects each tensor to be equal size", from inside the DataLoader)."""
+    """torch's default collate, its failure on samples of different sizes or on PIL images one line naming the fix
+    (it said only "stack expects each tensor to be equal size", or "found <class 'PIL...'>", from inside the
+    DataLoader)."""
     try:
         return torch.utils.data.default_collate(samples)
+    except TypeError as e:
+        found = str(e).rpartition("found ")[2]  # "<class 'PIL.PngImagePlugin.PngImageFile'>"
+        if "'PIL." not in found:
+            raise
+        kind = found.strip("<>").removeprefix("class ").strip("'")
+        raise RecipeError(
+            f"Recipe {recipe_name}: its samples hold PIL images ({kind}), which the default collate cannot batch: "
+            "give the dataset a transform that makes tensors of them, e.g. dataset.with_transform(fn) with "
+            "transformers' AutoImageProcessor or torchvision's ToTensor in fn, or give build_data a 'collate' "
+            "that does."
+        ) from None
     except RuntimeError as e:
         # in a worker process torch stacks into shared memory sized from the first sample, and says "Trying to
         # resize storage that is not resizable" instead

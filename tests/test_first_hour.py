@@ -18,6 +18,46 @@ def error_lines(proc) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
 
 
+IMAGES = """
+import datasets
+import PIL.Image
+import torch
+from torch import nn
+
+# A dataset of PIL images as `datasets` gives them (CIFAR-10's `img` column), handed over without a transform.
+images = [PIL.Image.new("RGB", (4, 4), (i, 0, 0)) for i in range(32)]
+data = datasets.Dataset.from_dict({"img": images, "label": [i % 10 for i in range(32)]})
+
+
+def build_model(ctx):
+    return nn.Linear(48, 10)
+
+
+def build_data(ctx):
+    return {"train": data}
+
+
+def loss(model, batch):
+    return nn.functional.cross_entropy(model(batch["img"].flatten(1)), batch["label"]), len(batch["label"])
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pil_images_without_a_transform_are_one_line_naming_the_transform(workers, tmp_path):
+    """Before: torch's default collate failed in a 63-line traceback ("batch must contain tensors, numpy arrays,
+    numbers, dicts or lists; found <class 'PIL.PngImagePlugin.PngImageFile'>")."""
+    recipe = tmp_path / "pictures.py"
+    recipe.write_text(IMAGES + RUN_IT)
+    args = ["--output_dir", tmp_path / "o", "--dataloader_num_workers", workers, "--disable_tqdm"]
+    proc = run(str(recipe), args, check=False, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = error_lines(proc)
+    assert errors == [proc.stderr.strip().splitlines()[-1]], proc.stderr
+    assert errors[0].startswith("error: Recipe pictures: its samples hold PIL images (PIL."), errors[0]
+    assert "with_transform" in errors[0] and "AutoImageProcessor" in errors[0], errors[0]
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
 SORTED = """
 import torch
 from torch import nn
