@@ -20,8 +20,9 @@ from accelerate.utils import (
 )
 
 from . import cpu_allocator, faults, precision, privates, sharding, versions
-from .args import TrainingArguments, tracker_problem
+from .args import TrainingArguments
 from .errors import UserError
+from .trackers import tracker_problem
 from .world import check_world, launched_world_size
 
 # What NCCL's watchdog does when a collective fails or times out (--ddp_timeout). torch's default, 3 (SkipCleanUp),
