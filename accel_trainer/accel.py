@@ -224,6 +224,12 @@ def _refuse_ignored_settings(accelerator: Accelerator, args: TrainingArguments):
             f"--ddp_comm_hook {args.ddp_comm_hook} compresses DDP's gradient all-reduce; this run shards with FSDP, "
             "which reduce-scatters gradients instead. Drop the flag; --fsdp_reduce_dtype bf16 halves that traffic."
         )
+    if args.load_best_model_at_end and accelerator.distributed_type == DistributedType.FSDP:
+        # the best weights would have to be loaded into the sharded model; best/ holds them whole
+        raise UserError(
+            "--load_best_model_at_end is not supported under FSDP: the best evaluation's model is saved in "
+            "output_dir/best/ (--metric_for_best_model); load it from there, or drop the flag."
+        )
     if args.ddp_comm_hook == "bf16" and accelerator.num_processes > 1 and accelerator.state.backend != "nccl":
         raise UserError(
             f"--ddp_comm_hook bf16 needs NCCL (CUDA GPUs); this run's backend is {accelerator.state.backend}. "

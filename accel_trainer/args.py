@@ -9,12 +9,14 @@ from typing import Any
 
 from .errors import ArgumentError
 from .trackers import canonical_report_to
+from .transformers_names import unknown_keywords
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
 FSDP_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 LR_SCALING = ("none", "linear", "sqrt")
+STRATEGIES = ("no", "steps", "epoch")  # transformers' IntervalType, for --eval_strategy and --save_strategy
 # Scheduler names every supported transformers version has (tests/test_args_parser.py checks them against
 # transformers.SchedulerType), checked without importing transformers; other names are checked against it.
 COMMON_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
@@ -108,7 +110,23 @@ class TrainingArguments:
     # --- logging, eval, checkpoints ------------------------------------------------------------------------------
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer updates."})
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every N updates; 0 = at the end of each epoch."})
+    eval_strategy: str | None = field(
+        default=None,
+        metadata={
+            "help": "When to evaluate during training, as transformers' eval_strategy: steps (every --eval_steps "
+            "updates; --logging_steps when that is 0), epoch (at each epoch's end) or no (the final evaluation "
+            "alone). Unset: steps when --eval_steps > 0, else epoch. The run's end is always evaluated."
+        },
+    )
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every N updates; 0 = no checkpoints."})
+    save_strategy: str | None = field(
+        default=None,
+        metadata={
+            "help": "When to checkpoint, as transformers' save_strategy: steps (every --save_steps updates), epoch "
+            "(at each epoch's end) or no (no checkpoint at all). Unset: steps when --save_steps > 0, else no. "
+            "Unless no, the run's last update is checkpointed too."
+        },
+    )
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     save_async: bool = field(
         default=False,
@@ -129,6 +147,22 @@ class TrainingArguments:
         default=None,
         metadata={
             "help": "A larger metric_for_best_model is better. Default: False for names ending in 'loss', else True."
+        },
+    )
+    load_best_model_at_end: bool = field(
+        default=False,
+        metadata={
+            "help": "As in transformers: at the end, the weights of the best evaluation (--metric_for_best_model, "
+            "default loss) are loaded, saved as the run's model and evaluated. The last checkpoint keeps the last "
+            "update's state, to resume from. Not under FSDP."
+        },
+    )
+    early_stopping_patience: int | None = field(
+        default=None,
+        metadata={
+            "help": "Stop after N evaluations in a row that do not improve --metric_for_best_model (default loss), "
+            "as transformers' EarlyStoppingCallback; the run then ends as after its last update (checkpoint, "
+            "model, final evaluation), and resuming it does not train on."
         },
     )
     # Typed as transformers types it (HfArgumentParser parses this order as a plain string); the Python API also
@@ -238,6 +272,24 @@ class TrainingArguments:
             bad("ddp_comm_hook", f"{self.ddp_comm_hook!r} is not one of {', '.join(COMM_HOOKS)}.")
         if self.fsdp_reduce_dtype is not None and self.fsdp_reduce_dtype not in FSDP_REDUCE_DTYPES:
             bad("fsdp_reduce_dtype", f"{self.fsdp_reduce_dtype!r} is not one of {', '.join(FSDP_REDUCE_DTYPES)}.")
+        if self.save_strategy == "best":  # transformers' checkpoint at each new best: here best/ keeps that model
+            bad(
+                "save_strategy",
+                "'best' is not one here: the best evaluation's model is kept in output_dir/best/ with "
+                "--metric_for_best_model (apart from checkpoints and save_total_limit); checkpoints to resume "
+                "from: --save_strategy steps or epoch.",
+            )
+        for name in ("eval_strategy", "save_strategy"):
+            if getattr(self, name) is not None and getattr(self, name) not in STRATEGIES:
+                bad(name, f"{getattr(self, name)!r} is not one of {', '.join(STRATEGIES)}.")
+        if self.save_strategy == "steps" and self.save_steps == 0:
+            bad("save_strategy", "steps checkpoints every --save_steps updates: give --save_steps > 0.")
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            bad("early_stopping_patience", f"must be >= 1, got {self.early_stopping_patience}.")
+        if self.early_stopping_patience and self.eval_strategy == "no":
+            bad("early_stopping_patience", "counts evaluations during training: --eval_strategy steps or epoch.")
+        if (self.load_best_model_at_end or self.early_stopping_patience) and not self.metric_for_best_model:
+            self.metric_for_best_model = "loss"  # transformers' default for load_best_model_at_end
         if self.nan_policy not in NAN_POLICIES:
             bad("nan_policy", f"{self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}.")
         if self.lr_scheduler_type not in COMMON_SCHEDULERS:
@@ -283,6 +335,25 @@ class TrainingArguments:
             if get_token() is None:
                 bad("push_to_hub", "no Hub token found: set HF_TOKEN or run `hf auth login`, or drop --push_to_hub.")
 
+    def evaluates_after(self, step: int, epoch_ended: bool) -> bool:
+        """An evaluation is due after update `step` (--eval_strategy, --eval_steps); the final one always runs."""
+        strategy = self.eval_strategy or ("steps" if self.eval_steps else "epoch")
+        if strategy == "steps":
+            return step % (self.eval_steps or self.logging_steps) == 0
+        return strategy == "epoch" and epoch_ended
+
+    @property
+    def checkpoints(self) -> bool:
+        """The run writes checkpoints (--save_strategy, --save_steps), and one at its last update."""
+        return (self.save_strategy or ("steps" if self.save_steps else "no")) != "no"
+
+    def saves_after(self, step: int, epoch_ended: bool) -> bool:
+        """A checkpoint is due after update `step` (--save_strategy, --save_steps)."""
+        strategy = self.save_strategy or ("steps" if self.save_steps else "no")
+        if strategy == "steps":
+            return step % self.save_steps == 0
+        return strategy == "epoch" and epoch_ended
+
     @property
     def trackers(self) -> list[str] | str | None:
         """Accelerate's `log_with`: None (no tracker), "all", or a list of names."""
@@ -325,6 +396,9 @@ def _record_user_fields(cls):
     init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
 
     def __init__(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:  # not Python's TypeError: one line naming what to pass, as for a bad value
+            raise ArgumentError(unknown_keywords(cls, unknown)) from None
         init(self, *args, **kwargs)
         object.__setattr__(self, "_user_fields", frozenset(names[: len(args)]) | frozenset(kwargs))
 

@@ -1,8 +1,19 @@
 """What a new user meets in the first hour (issue 40, item 4): each case run as a user runs it, with a recipe written
 the way people write them. Every test here failed before its fix."""
 
+import json
+import os
+import sys
+
 import pytest
-from helpers import metrics, run
+import torch
+from helpers import RECIPES, metrics, run
+
+sys.path.insert(0, RECIPES)
+import regression  # noqa: E402
+
+from accel_trainer import Trainer, TrainingArguments, UserError  # noqa: E402
+from accel_trainer import run as run_recipe  # noqa: E402
 
 RUN_IT = """
 if __name__ == "__main__":
@@ -102,3 +113,126 @@ def test_max_eval_samples_draws_from_the_whole_split_the_same_on_any_world_size(
     # around it. The first 20 samples are all label 0 (a loss near 0); a draw over the ten labels spreads over them.
     assert samples == 20 and eval_loss > 2.0, evals
     assert all(e == evals[1][0] for e in evals[1]), evals  # every evaluation the same samples
+
+
+def train(out, *flags) -> list[dict]:
+    """The regression recipe on 1 process, in this process as `python recipes/regression.py` runs it: 256 samples,
+    batch 32, 8 updates per epoch. Returns its metrics.jsonl rows."""
+    run_recipe(regression, ["--output_dir", str(out), "--per_device_train_batch_size", "32", "--disable_tqdm"]
+               + [str(f) for f in flags])  # fmt: skip
+    return metrics(str(out))
+
+
+def eval_steps_of(rows) -> list[int]:
+    return [r["step"] for r in rows if "eval_loss" in r]
+
+
+def checkpoint_steps(out) -> list[int]:
+    folder = out / "checkpoints"
+    return sorted(int(d.split("_")[1]) for d in os.listdir(folder)) if folder.exists() else []
+
+
+def test_transformers_eval_and_save_strategies_run_as_in_transformers(tmp_path):
+    """--eval_strategy / --save_strategy, as the README promises transformers' names: before, argparse's usage dump
+    and 'unrecognized arguments'. As in transformers: steps every --eval_steps (unset: --logging_steps, here the
+    recipe's 5), epoch at each epoch's end whatever --eval_steps says, no for none during training; here the run's
+    end is evaluated (and, unless no, checkpointed) too."""
+    rows = train(tmp_path / "a", "--num_train_epochs", 2, "--eval_strategy", "steps", "--eval_steps", 3,
+                 "--save_strategy", "epoch", "--save_steps", 3)  # fmt: skip
+    assert eval_steps_of(rows) == [3, 6, 9, 12, 15, 16] and checkpoint_steps(tmp_path / "a") == [8, 16]
+    rows = train(tmp_path / "b", "--num_train_epochs", 2, "--eval_strategy", "epoch", "--eval_steps", 3,
+                 "--save_strategy", "no", "--save_steps", 3)  # fmt: skip
+    assert eval_steps_of(rows) == [8, 16] and checkpoint_steps(tmp_path / "b") == []
+    rows = train(tmp_path / "c", "--num_train_epochs", 2, "--eval_strategy", "no", "--save_strategy", "steps",
+                 "--save_steps", 6)  # fmt: skip
+    assert eval_steps_of(rows) == [16] and checkpoint_steps(tmp_path / "c") == [6, 12, 16]
+    rows = train(tmp_path / "d", "--num_train_epochs", 2, "--eval_strategy", "steps", "--save_strategy", "no")
+    assert eval_steps_of(rows) == [5, 10, 15, 16]
+    # and from Python, TrainingArguments takes them (before: TypeError: unexpected keyword argument 'eval_strategy')
+    args = TrainingArguments(output_dir=str(tmp_path / "e"), eval_strategy="steps", eval_steps=4, max_steps=8,
+                             save_strategy="no", disable_tqdm=True)  # fmt: skip
+    Trainer(regression, args, regression.Args(), quiet=True).fit()
+    assert eval_steps_of(metrics(str(tmp_path / "e"))) == [4, 8] and checkpoint_steps(tmp_path / "e") == []
+
+
+def test_early_stopping_stops_after_patience_evaluations_without_improvement_and_stays_stopped(tmp_path, capsys):
+    """--early_stopping_patience N, as transformers' EarlyStoppingCallback: the run stops after N evaluations in a
+    row that do not improve --metric_for_best_model (default eval_loss). At learning rate 0 the first evaluation
+    is the best and none after improves on it: with patience 2 the run stops at the third, step 3 of 16, and ends
+    as after its last update; resumed, it stays stopped."""
+    out = tmp_path / "o"
+    flags = ["--learning_rate", 0, "--num_train_epochs", 2, "--eval_strategy", "steps", "--eval_steps", 1,
+             "--early_stopping_patience", 2, "--save_steps", 100]  # fmt: skip
+    rows = train(out, *flags)
+    assert max(r["step"] for r in rows) == 3 and eval_steps_of(rows) == [1, 2, 3, 3], rows  # then the final one
+    assert "accel-trainer: stopping early at step 3: 2 evaluation(s) in a row did not improve loss (best: " in (
+        capsys.readouterr().out
+    )
+    assert checkpoint_steps(out) == [3] and (out / "model.safetensors").is_file()
+    assert json.loads((out / "best" / "best.json").read_text())["step"] == 1
+    rows = train(out, *flags, "--resume_from_checkpoint", "latest")
+    assert max(r["step"] for r in rows) == 3 and not [r for r in rows if "loss" in r and r["step"] > 3]
+
+
+def test_load_best_model_at_end_saves_and_evaluates_the_best_evaluations_weights(tmp_path):
+    """--load_best_model_at_end: the run's model is the best evaluation's, and the final evaluation evaluates it.
+    With --greater_is_better on eval_loss, training makes every evaluation after the first worse: the best is an
+    early one, not the last update's."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "o"
+    rows = train(out, "--max_steps", 6, "--eval_strategy", "steps", "--eval_steps", 2, "--load_best_model_at_end",
+                 "--greater_is_better", "true", "--save_steps", 3)  # fmt: skip
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["metric"] == "eval_loss" and best["step"] < 6, best
+    final, last_update = (
+        load_file(out / "model.safetensors"),
+        load_file(out / "checkpoints" / "step_6" / "model.safetensors"),
+    )
+    assert all(torch.equal(final[k], v) for k, v in load_file(out / "best" / "model.safetensors").items())
+    assert not all(torch.equal(final[k], v) for k, v in last_update.items())  # the checkpoint keeps the last update
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 6, 6] and evals[-1]["eval_loss"] == pytest.approx(best["value"])
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--evaluation_strategy", "steps"], "error: --evaluation_strategy is transformers' argument; here it is "
+         "--eval_strategy (its name since transformers 4.46)."),
+        (["--fp16"], "error: --fp16 is transformers' argument; here it is --mixed_precision fp16."),
+        (["--save_strategy", "best"], "error: --save_strategy: 'best' is not one here: the best evaluation's model "
+         "is kept in output_dir/best/ with --metric_for_best_model"),
+        (["--eval_strategy", "sometimes"], "error: --eval_strategy: 'sometimes' is not one of no, steps, epoch."),
+        (["--early_stopping_patience", 2, "--eval_strategy", "no"], "error: --early_stopping_patience: counts "
+         "evaluations during training: --eval_strategy steps or epoch."),
+    ],
+)  # fmt: skip
+def test_a_transformers_name_without_its_meaning_here_is_one_line_naming_the_equivalent(flags, line, tmp_path):
+    """Before: argparse's usage (every flag, some 50 lines), then 'unrecognized arguments'."""
+    recipe = os.path.join(RECIPES, "regression.py")
+    proc = run(recipe, ["--output_dir", tmp_path / "o", *flags], check=False, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.strip().split(": ", 1)[1].startswith(line), proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_in_python_a_transformers_argument_is_one_user_error_naming_the_keyword(tmp_path):
+    """Before: `TrainingArguments(evaluation_strategy=...)` was Python's TypeError; the README promises one
+    UserError line naming keywords."""
+    with pytest.raises(UserError) as e:
+        TrainingArguments(output_dir=str(tmp_path), evaluation_strategy="steps")
+    assert str(e.value) == "evaluation_strategy is transformers' argument; here it is eval_strategy (its name " \
+                           "since transformers 4.46)."  # fmt: skip
+    with pytest.raises(UserError) as e:
+        Trainer.from_recipe(regression, output_dir=str(tmp_path), fp16=True)
+    assert str(e.value) == "fp16 is transformers' argument; here it is mixed_precision='fp16'."
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    with pytest.raises(UserError) as e:
+        TrainingArguments(output_dir=str(tmp_path), learning_rat=0.1)
+    assert str(e.value) == "TrainingArguments takes no argument learning_rat: dataclasses.fields(TrainingArguments) " \
+                           "lists the ones it takes."  # fmt: skip
+    with pytest.raises(UserError) as e:
+        Trainer.from_recipe(regression, output_dir=str(tmp_path), save_strategy="best")
+    assert str(e.value).startswith("save_strategy: 'best' is not one here"), e.value
+    assert "--" not in str(e.value) and "save_strategy='steps'" in str(e.value), e.value
