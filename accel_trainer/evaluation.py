@@ -178,17 +178,19 @@ def stopped_early(args, progress) -> str | None:
     )
 
 
-def load_best(accelerator, model, output_dir: str) -> bool:
+def load_best(accelerator, model, output_dir: str, progress) -> bool:
     """--load_best_model_at_end: output_dir/best/'s weights (keep_if_best wrote them from the evaluated model) loaded
-    into `model`, the plain evaluated module, on every rank. False when no evaluation kept one. Reads safetensors
-    only. A peft model's best/ is its adapter folder; a transformers model's is a save_pretrained folder, read by
-    its class's from_pretrained (tied and renamed weights, shards) and copied over; a plain module's one file."""
+    into `model`, the plain evaluated module, on every rank. False when no evaluation kept one (`progress`, the same
+    on every rank, says: a file check could differ between ranks, and the save that follows is collective). Reads
+    safetensors only. A peft model's best/ is its adapter folder; a transformers model's is a save_pretrained
+    folder, read by its class's from_pretrained (tied and renamed weights, shards) and copied over; a plain
+    module's one file."""
     from safetensors.torch import load_file, load_model
 
-    folder = os.path.join(output_dir, "best")
-    if not os.path.isfile(os.path.join(folder, "best.json")):
+    if progress.best_step is None:
         return False
-    accelerator.wait_for_everyone()  # the main process wrote it
+    folder = os.path.join(output_dir, "best")
+    accelerator.wait_for_everyone()  # the main process wrote best/ before it came here
     if os.path.isfile(os.path.join(folder, "adapter_config.json")):
         from peft import set_peft_model_state_dict
 

@@ -277,7 +277,7 @@ class Trainer:
             if self.args.load_best_model_at_end and self.eval_loader is not None:
                 self.evaluate()  # the last update's weights compete for best/ too
                 plain = self.ema.module if self.ema is not None else self.unwrapped_model  # what save_model saves
-                if evaluation.load_best(self.accelerator, plain, self.args.output_dir):
+                if evaluation.load_best(self.accelerator, plain, self.args.output_dir, self.progress):
                     saved[0] = self.save_model()  # the best weights, evaluated below as the final evaluation
             if self.eval_loader is not None or self.events.has("evaluate_end"):
                 metrics = self.evaluate(final=True)

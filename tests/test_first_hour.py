@@ -236,3 +236,22 @@ def test_in_python_a_transformers_argument_is_one_user_error_naming_the_keyword(
         Trainer.from_recipe(regression, output_dir=str(tmp_path), save_strategy="best")
     assert str(e.value).startswith("save_strategy: 'best' is not one here"), e.value
     assert "--" not in str(e.value) and "save_strategy='steps'" in str(e.value), e.value
+
+
+def test_early_stopping_and_the_best_model_at_end_on_two_processes(tmp_path):
+    """Both on 2 processes (DDP): every rank stops at the same evaluation and loads the same best weights (a rank
+    deciding alone would leave the others waiting in the next collective). With --greater_is_better on eval_loss,
+    which training lowers, the first evaluation is the best and the two after it do not improve: stop at step 3."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "o"
+    flags = ["--output_dir", out, "--per_device_train_batch_size", 16, "--num_train_epochs", 2, "--eval_strategy",
+             "steps", "--eval_steps", 1, "--early_stopping_patience", 2, "--load_best_model_at_end",
+             "--greater_is_better", "true", "--save_steps", 100, "--disable_tqdm"]  # fmt: skip
+    proc = run("regression.py", flags, nproc=2, timeout=300)
+    assert proc.stdout.count("accel-trainer: stopping early at step 3") == 1, proc.stdout[-3000:]
+    assert json.loads((out / "best" / "best.json").read_text())["step"] == 1
+    final, best = load_file(out / "model.safetensors"), load_file(out / "best" / "model.safetensors")
+    last_update = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in best.items())
+    assert not all(torch.equal(final[k], v) for k, v in last_update.items())
