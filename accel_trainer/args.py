@@ -16,6 +16,7 @@ COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
 FSDP_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 LR_SCALING = ("none", "linear", "sqrt")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")  # transformers' names
 STRATEGIES = ("no", "steps", "epoch")  # transformers' IntervalType, for --eval_strategy and --save_strategy
 # Scheduler names every supported transformers version has (tests/test_args_parser.py checks them against
 # transformers.SchedulerType), checked without importing transformers; other names are checked against it.
@@ -176,6 +177,15 @@ class TrainingArguments:
     )
     run_name: str | None = field(default=None, metadata={"help": "Project/run name given to the trackers."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    log_level_replica: str = field(
+        default="error",
+        metadata={
+            "help": "transformers' and datasets' log level on the processes other than the main one, whose warnings "
+            "(transformers' load report, FutureWarnings) and progress bars repeat the main one's; at error and "
+            "above Python's warnings are off there too. passive: leave them as they are. transformers' default, "
+            "warning, still prints its load report on every rank."
+        },
+    )
 
     # --- hardware and numerics -----------------------------------------------------------------------------------
     mixed_precision: str | None = field(
@@ -290,6 +300,8 @@ class TrainingArguments:
             bad("early_stopping_patience", "counts evaluations during training: --eval_strategy steps or epoch.")
         if (self.load_best_model_at_end or self.early_stopping_patience) and not self.metric_for_best_model:
             self.metric_for_best_model = "loss"  # transformers' default for load_best_model_at_end
+        if self.log_level_replica not in LOG_LEVELS:
+            bad("log_level_replica", f"{self.log_level_replica!r} is not one of {', '.join(LOG_LEVELS)}.")
         if self.nan_policy not in NAN_POLICIES:
             bad("nan_policy", f"{self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}.")
         if self.lr_scheduler_type not in COMMON_SCHEDULERS:

@@ -255,3 +255,51 @@ def test_early_stopping_and_the_best_model_at_end_on_two_processes(tmp_path):
     last_update = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
     assert all(torch.equal(final[k], v) for k, v in best.items())
     assert not all(torch.equal(final[k], v) for k, v in last_update.items())
+
+
+CHATTY = """
+import logging
+import os
+import warnings
+
+import datasets
+import transformers
+
+
+def build_model(ctx):
+    warnings.warn("the recipe's libraries warn of a change", FutureWarning)
+    logging.getLogger("transformers.example").error("an error on rank %d", ctx.process_index)  # never hidden
+    # a new head on a saved encoder: transformers' load report (the classifier is MISSING) and its progress bar
+    return transformers.BertForSequenceClassification.from_pretrained(os.environ["TINY_BERT"], num_labels=2)
+
+
+def build_data(ctx):
+    rows = datasets.Dataset.from_dict({"x": list(range(64))})
+    data = rows.map(lambda r: {"input_ids": [r["x"] % 30 + 1] * 4, "labels": r["x"] % 2})  # datasets' progress bar
+    return {"train": data.with_format("torch", columns=["input_ids", "labels"])}
+
+
+def loss(model, batch):
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss, len(batch["labels"])
+"""
+
+
+def test_the_ranks_other_than_the_main_one_are_quiet_but_say_their_errors(tmp_path):
+    """Before, every rank printed transformers' load report, the FutureWarnings and datasets' progress bars: on 2
+    processes, each twice. As transformers.Trainer quiets its replicas (--log_level_replica), the other ranks now
+    keep their warnings and progress bars to themselves; an error logged there still shows."""
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path / "tiny-bert")
+    recipe = tmp_path / "chatty.py"
+    recipe.write_text(CHATTY + RUN_IT)
+    flags = ["--output_dir", tmp_path / "o", "--max_steps", 2, "--save_steps", 0, "--disable_tqdm"]
+    proc = run(str(recipe), flags, nproc=2, timeout=300, extra_env={"TINY_BERT": str(tmp_path / "tiny-bert")})
+    out = proc.stdout + proc.stderr
+    assert out.count("BertForSequenceClassification LOAD REPORT") == 1, out[-4000:]
+    assert out.count("FutureWarning: the recipe's libraries warn of a change") == 1, out[-4000:]
+    assert out.count("Map: 100%") == 1 and out.count("Loading weights: 100%") == 1, out[-4000:]
+    assert "an error on rank 0" in out and "an error on rank 1" in out, out[-4000:]
