@@ -3,6 +3,7 @@ the way people write them. Every test here failed before its fix."""
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -303,3 +304,61 @@ def test_the_ranks_other_than_the_main_one_are_quiet_but_say_their_errors(tmp_pa
     assert out.count("FutureWarning: the recipe's libraries warn of a change") == 1, out[-4000:]
     assert out.count("Map: 100%") == 1 and out.count("Loading weights: 100%") == 1, out[-4000:]
     assert "an error on rank 0" in out and "an error on rank 1" in out, out[-4000:]
+
+
+NO_PARAMETERS = """
+import torch
+from torch import nn
+
+x = torch.randn(64, 8)
+data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def build_model(ctx):
+    {model}
+
+
+def build_data(ctx):
+    return {{"train": data}}
+
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y), len(x)
+"""
+
+
+@pytest.mark.parametrize(
+    "model, last",
+    [
+        ("return nn.Identity()", "error: the model from build_model has no parameters: return the module to train."),
+        ("raise RuntimeError('a bug in the recipe')", None),
+    ],
+    ids=["error_line", "bug"],
+)
+def test_accel_trainer_launch_ends_with_the_ranks_error_line_and_the_exit_code(model, last, tmp_path):
+    """Under `accel-trainer launch`, a rank's one `error:` line was followed by torch elastic's ChildFailedError
+    traceback (40 lines: the launcher's frames and a table per rank). The wrapper leaves that report out and ends
+    with the exit codes and the ranks' error line; a recipe's bug keeps its own traceback, above that line."""
+    import subprocess
+
+    from helpers import ROOT, env, free_port
+
+    recipe = tmp_path / "failing.py"
+    recipe.write_text(NO_PARAMETERS.format(model=model) + RUN_IT)
+    cmd = [sys.executable, "-m", "accel_trainer.cli", "launch", "--config_file",
+           os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml"), "--main_process_port", str(free_port()),
+           str(recipe), "--output_dir", str(tmp_path / "o")]  # fmt: skip
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), timeout=300)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1 and "ChildFailedError" not in proc.stdout, proc.stdout[-4000:]
+    # Each failed rank's code, as torch elastic reported it: exit code 1, or the signal that ended a rank whose
+    # peer failed first (SIGTERM from the agent; seen: SIGABRT, "terminate called without an active exception").
+    failed = r"accel-trainer launch: the run failed \(exit 1; rank \d: (exit code 1|killed by SIG[A-Z]+)(, rank \d: " \
+             r"(exit code 1|killed by SIG[A-Z]+))?\): "  # fmt: skip
+    if last is not None:  # the ranks' line, once, after the exit codes: nothing else after it
+        assert "Traceback" not in proc.stdout, proc.stdout[-4000:]
+        assert lines[-1] == last and re.fullmatch(failed + "the ranks' error line follows", lines[-2]), lines[-3:]
+    else:  # a rank's own traceback is kept
+        assert "RuntimeError: a bug in the recipe" in proc.stdout, proc.stdout[-4000:]
+        assert re.fullmatch(failed + "see the output above", lines[-1]), lines[-3:]
