@@ -362,3 +362,72 @@ def test_accel_trainer_launch_ends_with_the_ranks_error_line_and_the_exit_code(m
     else:  # a rank's own traceback is kept
         assert "RuntimeError: a bug in the recipe" in proc.stdout, proc.stdout[-4000:]
         assert re.fullmatch(failed + "see the output above", lines[-1]), lines[-3:]
+
+
+LORA = """
+import os
+
+import peft
+import torch
+import transformers
+
+
+def build_model(ctx):
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(os.environ["TINY_BERT"], num_labels=2)
+    config = peft.LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4, target_modules=["query", "value"])
+    return peft.get_peft_model(base, config)
+
+
+def build_data(ctx):
+    ids = torch.arange(64 * 4).remainder(30).add(1).view(64, 4)
+    return {"train": torch.utils.data.TensorDataset(ids, torch.arange(64) % 2)}
+
+
+def loss(model, batch):
+    ids, labels = batch
+    return model(input_ids=ids, labels=labels).loss, len(labels)
+"""
+
+
+def start_and_end(stdout: str) -> tuple[str, str]:
+    start, end = [line for line in stdout.splitlines() if line.startswith("accel-trainer: ")]
+    return start, end
+
+
+def test_a_lora_run_counts_what_trains_and_its_end_line_names_the_adapter_folder_and_how_peft_loads_it(
+    tmp_path, monkeypatch
+):
+    """The start line counts trainable and frozen parameters; the end line of a peft run named model.safetensors,
+    which a PeftModel's folder does not hold, and safetensors.torch.load_model to load it. It names the adapter
+    folder and peft's AutoPeftModelFor... (the task type in adapter_config.json), which loads it as written."""
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path / "tiny-bert")
+    recipe = tmp_path / "lora.py"
+    recipe.write_text(LORA + RUN_IT)
+    out = tmp_path / "o"
+    environ = {"TINY_BERT": str(tmp_path / "tiny-bert")}
+    proc = run(str(recipe), ["--output_dir", out, "--max_steps", 2, "--save_steps", 0, "--disable_tqdm"],
+               extra_env=environ)  # fmt: skip
+    start, end = start_and_end(proc.stdout)
+    monkeypatch.setenv("TINY_BERT", environ["TINY_BERT"])
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lora_recipe", recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    trainable, total = module.build_model(None).get_nb_trainable_parameters()  # peft's own count
+    assert f"; model {trainable:,} trainable + {total - trainable:,} frozen parameters; " in start, start
+    assert str(out / "model.safetensors") not in end and not (out / "model.safetensors").exists(), end
+    assert f"the model is the peft adapter folder {out} (adapter_model.safetensors, adapter_config.json)" in end, end
+    hint = end.split("load it with ", 1)[1]
+    assert hint.startswith(f"peft.AutoPeftModelForSequenceClassification.from_pretrained({str(out)!r})"), hint
+    loaded = eval(hint.split(" or ")[0], {"peft": peft})  # the line a user pastes
+    saved = load_file(out / "adapter_model.safetensors")
+    state = peft.get_peft_model_state_dict(loaded)
+    assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in saved)
