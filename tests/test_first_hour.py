@@ -374,13 +374,16 @@ import transformers
 
 def build_model(ctx):
     base = transformers.AutoModelForSequenceClassification.from_pretrained(os.environ["TINY_BERT"], num_labels=2)
+    if os.environ.get("NO_LORA"):
+        return base
     config = peft.LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4, target_modules=["query", "value"])
     return peft.get_peft_model(base, config)
 
 
 def build_data(ctx):
     ids = torch.arange(64 * 4).remainder(30).add(1).view(64, 4)
-    return {"train": torch.utils.data.TensorDataset(ids, torch.arange(64) % 2)}
+    data = torch.utils.data.TensorDataset(ids, torch.arange(64) % 2)
+    return {"train": data, "eval": data}
 
 
 def loss(model, batch):
@@ -431,3 +434,32 @@ def test_a_lora_run_counts_what_trains_and_its_end_line_names_the_adapter_folder
     saved = load_file(out / "adapter_model.safetensors")
     state = peft.get_peft_model_state_dict(loaded)
     assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in saved)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["peft", "transformers"])
+def test_load_best_model_at_end_loads_a_peft_adapter_and_a_transformers_folder(lora, tmp_path):
+    """--load_best_model_at_end reads best/ as it was written: a peft model's adapter folder, a transformers
+    model's save_pretrained folder. The final model is best/'s, not the last update's (the best is an early
+    evaluation: --greater_is_better on a loss that training lowers)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path / "tiny-bert")
+    recipe = tmp_path / "lora.py"
+    recipe.write_text(LORA + RUN_IT)
+    out = tmp_path / "o"
+    environ = {"TINY_BERT": str(tmp_path / "tiny-bert")} | ({} if lora else {"NO_LORA": "1"})
+    flags = ["--output_dir", out, "--max_steps", 4, "--eval_strategy", "steps", "--eval_steps", 1,
+             "--load_best_model_at_end", "--greater_is_better", "true", "--learning_rate", 1e-2, "--save_steps", 0,
+             "--disable_tqdm"]  # fmt: skip
+    run(str(recipe), flags, extra_env=environ)
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert json.loads((out / "best" / "best.json").read_text())["step"] < 4
+    final, best = load_file(out / weights), load_file(out / "best" / weights)
+    assert final.keys() == best.keys() and all(torch.equal(final[k], best[k]) for k in best)
+    evals = [r for r in metrics(str(out)) if "eval_loss" in r]
+    best_value = json.loads((out / "best" / "best.json").read_text())["value"]
+    assert evals[-1]["eval_loss"] == pytest.approx(best_value, rel=1e-5) and evals[-2]["eval_loss"] != best_value
