@@ -302,7 +302,8 @@ def test_the_ranks_other_than_the_main_one_are_quiet_but_say_their_errors(tmp_pa
     out = proc.stdout + proc.stderr
     assert out.count("BertForSequenceClassification LOAD REPORT") == 1, out[-4000:]
     assert out.count("FutureWarning: the recipe's libraries warn of a change") == 1, out[-4000:]
-    assert out.count("Map: 100%") == 1 and out.count("Loading weights: 100%") == 1, out[-4000:]
+    # the libraries' progress bars: once (at most: a release may drop one), not once per rank
+    assert out.count("Map: 100%") <= 1 and out.count("Loading weights: 100%") <= 1, out[-4000:]
     assert "an error on rank 0" in out and "an error on rank 1" in out, out[-4000:]
 
 
