@@ -208,6 +208,7 @@ def test_load_best_model_at_end_saves_and_evaluates_the_best_evaluations_weights
         (["--early_stopping_patience", 2, "--eval_strategy", "no"], "error: --early_stopping_patience: counts "
          "evaluations during training: --eval_strategy steps or epoch."),
     ],
+    ids=["evaluation_strategy", "fp16", "save_strategy_best", "unknown_strategy", "patience_without_evaluations"],
 )  # fmt: skip
 def test_a_transformers_name_without_its_meaning_here_is_one_line_naming_the_equivalent(flags, line, tmp_path):
     """Before: argparse's usage (every flag, some 50 lines), then 'unrecognized arguments'."""
