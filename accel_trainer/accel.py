@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
+import warnings
 from datetime import timedelta
 
 import torch
@@ -20,8 +23,9 @@ from accelerate.utils import (
 )
 
 from . import cpu_allocator, faults, precision, privates, sharding, versions
-from .args import TrainingArguments, tracker_problem
+from .args import TrainingArguments
 from .errors import UserError
+from .trackers import tracker_problem
 from .world import check_world, launched_world_size
 
 # What NCCL's watchdog does when a collective fails or times out (--ddp_timeout). torch's default, 3 (SkipCleanUp),
@@ -45,7 +49,9 @@ def configure_process(args: TrainingArguments) -> tuple[Accelerator, dict]:
       state (sharding.activate_fsdp): build_accelerator;
     - inductor's CPU weight prepacking off for a compiled CPU run (inductor_on_cpu);
     - the world checked against the launcher's (world.check_world);
-    - glibc malloc's thresholds for a CPU run (cpu_allocator.keep_freed_memory)."""
+    - glibc malloc's thresholds for a CPU run (cpu_allocator.keep_freed_memory);
+    - on the processes other than the main one, transformers', datasets' and the Hub's logs, progress bars and
+      Python's warnings quieted (quiet_replica)."""
     preemption_notice = faults.keep_early_preemption()
     ours = (NCCL_ERROR_HANDLING[0], FLIGHT_RECORDER[0])  # what build_accelerator sets where the user chose none
     before = {name: os.environ.get(name) for name in ours}
@@ -62,7 +68,40 @@ def configure_process(args: TrainingArguments) -> tuple[Accelerator, dict]:
     # process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
     check_world(accelerator)
     process["cpu_allocator"] = cpu_allocator.keep_freed_memory(accelerator.device.type)  # ~6% per step on a CPU
+    process["replica_logs"] = quiet_replica(accelerator, args.log_level_replica)  # before the recipe loads anything
     return accelerator, process
+
+
+def quiet_replica(accelerator, level: str) -> dict | None:
+    """On a process other than the main one, as transformers.Trainer does with --log_level_replica: transformers'
+    and datasets' log level set to `level`, their and the Hub's progress bars off, and at error and above Python's
+    warnings ignored. What every rank would print once each (a model's load report, a FutureWarning, a map's
+    progress bar) is then printed once, by the main process; an error is still printed where it happens. Through
+    their public functions where the library is imported, and their environment variables for an import to come
+    (neither is imported for it: `import transformers` alone costs ~0.7 s). Returns what was set (None: nothing)."""
+    if accelerator.is_main_process or level == "passive":
+        return None
+    environ = {"TRANSFORMERS_VERBOSITY": level, "DATASETS_VERBOSITY": level}
+    environ |= {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    os.environ.update(environ)
+    number = getattr(logging, level.upper())
+    if "transformers" in sys.modules:
+        import transformers
+
+        transformers.logging.set_verbosity(number)
+        transformers.logging.disable_progress_bar()  # the Hub's too
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.logging.set_verbosity(number)
+        datasets.disable_progress_bars()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if number >= logging.ERROR:
+        warnings.simplefilter("ignore")
+    return {"log_level": level, "environ": environ, "python_warnings_ignored": number >= logging.ERROR}
 
 
 def inductor_on_cpu(accelerator) -> dict | None:
@@ -222,6 +261,12 @@ def _refuse_ignored_settings(accelerator: Accelerator, args: TrainingArguments):
         raise UserError(
             f"--ddp_comm_hook {args.ddp_comm_hook} compresses DDP's gradient all-reduce; this run shards with FSDP, "
             "which reduce-scatters gradients instead. Drop the flag; --fsdp_reduce_dtype bf16 halves that traffic."
+        )
+    if args.load_best_model_at_end and accelerator.distributed_type == DistributedType.FSDP:
+        # the best weights would have to be loaded into the sharded model; best/ holds them whole
+        raise UserError(
+            "--load_best_model_at_end is not supported under FSDP: the best evaluation's model is saved in "
+            "output_dir/best/ (--metric_for_best_model); load it from there, or drop the flag."
         )
     if args.ddp_comm_hook == "bf16" and accelerator.num_processes > 1 and accelerator.state.backend != "nccl":
         raise UserError(

@@ -7,63 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .errors import UserError
+from .errors import ArgumentError
+from .trackers import canonical_report_to
+from .transformers_names import unknown_keywords
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 COMM_HOOKS = ("none", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 NAN_POLICIES = ("stop", "skip")
 FSDP_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 LR_SCALING = ("none", "linear", "sqrt")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")  # transformers' names
+STRATEGIES = ("no", "steps", "epoch")  # transformers' IntervalType, for --eval_strategy and --save_strategy
 # Scheduler names every supported transformers version has (tests/test_args_parser.py checks them against
 # transformers.SchedulerType), checked without importing transformers; other names are checked against it.
 COMMON_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
-
-
-class ArgumentError(UserError, ValueError):
-    """A bad argument value. The message names the flag and what to pass instead. A ValueError too, as it was
-    before 0.3 (callers catching that)."""
-
-
-def _canonical_report_to(value) -> str:
-    """transformers' `report_to` values (None, [], ["a", "b"], "a,b", "all", "none") as one string: "none", "all"
-    or names joined by commas. The same run then records the same value from the command line and from Python."""
-    if value is None:
-        return "none"
-    if isinstance(value, str):
-        value = value.split(",")
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ArgumentError(f"--report_to: {value!r} is not a tracker name, a list of names, 'all' or 'none'.")
-    names = [v.strip() for v in value if v.strip()]
-    if len(names) > 1 and ("none" in names or "all" in names):
-        raise ArgumentError(f"--report_to: 'none' and 'all' stand alone, got {','.join(names)}.")
-    return ",".join(names) or "none"
-
-
-# What `pip install` needs for each of Accelerate's trackers (its LoggerType names).
-TRACKER_PACKAGES = {"tensorboard": "tensorboard (or tensorboardX)", "comet_ml": "comet_ml"}
-
-
-def tracker_problem(trackers) -> str | None:
-    """The one line refusing --report_to (TrainingArguments.trackers) when a tracker it names cannot log here, or
-    None. Accelerate drops a tracker whose package is missing with a warning and the run logs nothing to it, and
-    raises a ValueError traceback for an unknown name. "all" takes whatever is installed, as Accelerate does."""
-    if not trackers or trackers == "all":
-        return None
-    from accelerate.tracking import get_available_trackers
-    from accelerate.utils import LoggerType
-
-    known = sorted(t.value for t in LoggerType if t.value != "all")
-    available = {str(getattr(t, "value", t)) for t in get_available_trackers()}
-    for name in trackers:
-        if name not in known:
-            return f"--report_to {name}: not a tracker Accelerate knows; use {', '.join(known)}, 'all' or 'none'."
-        if name not in available:
-            return (
-                f"--report_to {name}: its package is not installed here, so nothing would be logged there. "
-                f"Install it (pip install {TRACKER_PACKAGES.get(name, name)}) or drop {name} from --report_to "
-                "(metrics.jsonl is always written)."
-            )
-    return None
 
 
 @dataclass
@@ -141,14 +98,36 @@ class TrainingArguments:
 
     # --- data ----------------------------------------------------------------------------------------------------
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N train samples."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use only the first N eval samples."})
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate on N samples drawn with --seed from the whole eval split (the same N on any world "
+            "size, in every evaluation), not the first N: those of a split sorted by label hold one label."
+        },
+    )
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes."})
     dataloader_drop_last: bool = field(default=False, metadata={"help": "Drop the last incomplete train batch."})
 
     # --- logging, eval, checkpoints ------------------------------------------------------------------------------
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer updates."})
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every N updates; 0 = at the end of each epoch."})
+    eval_strategy: str | None = field(
+        default=None,
+        metadata={
+            "help": "When to evaluate during training, as transformers' eval_strategy: steps (every --eval_steps "
+            "updates; --logging_steps when that is 0), epoch (at each epoch's end) or no (the final evaluation "
+            "alone). Unset: steps when --eval_steps > 0, else epoch. The run's end is always evaluated."
+        },
+    )
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every N updates; 0 = no checkpoints."})
+    save_strategy: str | None = field(
+        default=None,
+        metadata={
+            "help": "When to checkpoint, as transformers' save_strategy: steps (every --save_steps updates), epoch "
+            "(at each epoch's end) or no (no checkpoint at all). Unset: steps when --save_steps > 0, else no. "
+            "Unless no, the run's last update is checkpointed too."
+        },
+    )
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     save_async: bool = field(
         default=False,
@@ -171,6 +150,22 @@ class TrainingArguments:
             "help": "A larger metric_for_best_model is better. Default: False for names ending in 'loss', else True."
         },
     )
+    load_best_model_at_end: bool = field(
+        default=False,
+        metadata={
+            "help": "As in transformers: at the end, the weights of the best evaluation (--metric_for_best_model, "
+            "default loss) are loaded, saved as the run's model and evaluated. The last checkpoint keeps the last "
+            "update's state, to resume from. Not under FSDP."
+        },
+    )
+    early_stopping_patience: int | None = field(
+        default=None,
+        metadata={
+            "help": "Stop after N evaluations in a row that do not improve --metric_for_best_model (default loss), "
+            "as transformers' EarlyStoppingCallback; the run then ends as after its last update (checkpoint, "
+            "model, final evaluation), and resuming it does not train on."
+        },
+    )
     # Typed as transformers types it (HfArgumentParser parses this order as a plain string); the Python API also
     # takes a list, and None or [] for none. __post_init__ makes it one canonical string.
     report_to: None | str | list[str] = field(
@@ -182,6 +177,15 @@ class TrainingArguments:
     )
     run_name: str | None = field(default=None, metadata={"help": "Project/run name given to the trackers."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    log_level_replica: str = field(
+        default="error",
+        metadata={
+            "help": "transformers' and datasets' log level on the processes other than the main one, whose warnings "
+            "(transformers' load report, FutureWarnings) and progress bars repeat the main one's; at error and "
+            "above Python's warnings are off there too. passive: leave them as they are. transformers' default, "
+            "warning, still prints its load report on every rank."
+        },
+    )
 
     # --- hardware and numerics -----------------------------------------------------------------------------------
     mixed_precision: str | None = field(
@@ -271,13 +275,33 @@ class TrainingArguments:
         def bad(flag, msg):
             raise ArgumentError(f"--{flag}: {msg}")
 
-        self.report_to = _canonical_report_to(self.report_to)
+        self.report_to = canonical_report_to(self.report_to)
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             bad("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}.")
         if self.ddp_comm_hook not in COMM_HOOKS:
             bad("ddp_comm_hook", f"{self.ddp_comm_hook!r} is not one of {', '.join(COMM_HOOKS)}.")
         if self.fsdp_reduce_dtype is not None and self.fsdp_reduce_dtype not in FSDP_REDUCE_DTYPES:
             bad("fsdp_reduce_dtype", f"{self.fsdp_reduce_dtype!r} is not one of {', '.join(FSDP_REDUCE_DTYPES)}.")
+        if self.save_strategy == "best":  # transformers' checkpoint at each new best: here best/ keeps that model
+            bad(
+                "save_strategy",
+                "'best' is not one here: the best evaluation's model is kept in output_dir/best/ with "
+                "--metric_for_best_model (apart from checkpoints and save_total_limit); checkpoints to resume "
+                "from: --save_strategy steps or epoch.",
+            )
+        for name in ("eval_strategy", "save_strategy"):
+            if getattr(self, name) is not None and getattr(self, name) not in STRATEGIES:
+                bad(name, f"{getattr(self, name)!r} is not one of {', '.join(STRATEGIES)}.")
+        if self.save_strategy == "steps" and self.save_steps == 0:
+            bad("save_strategy", "steps checkpoints every --save_steps updates: give --save_steps > 0.")
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            bad("early_stopping_patience", f"must be >= 1, got {self.early_stopping_patience}.")
+        if self.early_stopping_patience and self.eval_strategy == "no":
+            bad("early_stopping_patience", "counts evaluations during training: --eval_strategy steps or epoch.")
+        if (self.load_best_model_at_end or self.early_stopping_patience) and not self.metric_for_best_model:
+            self.metric_for_best_model = "loss"  # transformers' default for load_best_model_at_end
+        if self.log_level_replica not in LOG_LEVELS:
+            bad("log_level_replica", f"{self.log_level_replica!r} is not one of {', '.join(LOG_LEVELS)}.")
         if self.nan_policy not in NAN_POLICIES:
             bad("nan_policy", f"{self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}.")
         if self.lr_scheduler_type not in COMMON_SCHEDULERS:
@@ -323,10 +347,29 @@ class TrainingArguments:
             if get_token() is None:
                 bad("push_to_hub", "no Hub token found: set HF_TOKEN or run `hf auth login`, or drop --push_to_hub.")
 
+    def evaluates_after(self, step: int, epoch_ended: bool) -> bool:
+        """An evaluation is due after update `step` (--eval_strategy, --eval_steps); the final one always runs."""
+        strategy = self.eval_strategy or ("steps" if self.eval_steps else "epoch")
+        if strategy == "steps":
+            return step % (self.eval_steps or self.logging_steps) == 0
+        return strategy == "epoch" and epoch_ended
+
+    @property
+    def checkpoints(self) -> bool:
+        """The run writes checkpoints (--save_strategy, --save_steps), and one at its last update."""
+        return (self.save_strategy or ("steps" if self.save_steps else "no")) != "no"
+
+    def saves_after(self, step: int, epoch_ended: bool) -> bool:
+        """A checkpoint is due after update `step` (--save_strategy, --save_steps)."""
+        strategy = self.save_strategy or ("steps" if self.save_steps else "no")
+        if strategy == "steps":
+            return step % self.save_steps == 0
+        return strategy == "epoch" and epoch_ended
+
     @property
     def trackers(self) -> list[str] | str | None:
         """Accelerate's `log_with`: None (no tracker), "all", or a list of names."""
-        names = _canonical_report_to(self.report_to).split(",")
+        names = canonical_report_to(self.report_to).split(",")
         if names == ["none"]:
             return None
         return "all" if names == ["all"] else names
@@ -365,6 +408,9 @@ def _record_user_fields(cls):
     init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
 
     def __init__(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:  # not Python's TypeError: one line naming what to pass, as for a bad value
+            raise ArgumentError(unknown_keywords(cls, unknown)) from None
         init(self, *args, **kwargs)
         object.__setattr__(self, "_user_fields", frozenset(names[: len(args)]) | frozenset(kwargs))
 

@@ -82,6 +82,15 @@ def _check_fp8(accelerator, model) -> dict | None:
     return precision.check_fp8_layers(model, str(accelerator.fp8_backend.value))
 
 
+def parameter_counts(model) -> dict:
+    """{"trainable", "frozen"}: the model's parameters (each shared one once; under FSDP the whole model's, a
+    DTensor counting its global size) that train and that do not (a LoRA adapter's base model)."""
+    counts = {"trainable": 0, "frozen": 0}
+    for p in model.parameters():
+        counts["trainable" if p.requires_grad else "frozen"] += p.numel()
+    return counts
+
+
 def run_config(trainer) -> dict:
     """What run_config.json records of a built Trainer. Collective (the sharding holdings): every rank calls it."""
     t, args = trainer, trainer.args
@@ -104,6 +113,7 @@ def run_config(trainer) -> dict:
         "ddp_comm_hook": registered_comm_hook(t.updater.ddp),
         "process": t.process,  # what the run changed in the whole process (accel.configure_process)
         "fp8_layers": t.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
+        "parameters": parameter_counts(t.accelerator.unwrap_model(t.model, keep_torch_compile=False)),
         # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
         "sharding": sharding.rank_holdings(t.accelerator, t.model, t.optimizer, t.sharding_info),
         "versions": library_versions(),

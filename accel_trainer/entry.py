@@ -22,6 +22,7 @@ from .args import (
     LR_SCALING,
     MIXED_PRECISION,
     NAN_POLICIES,
+    STRATEGIES,
     TrainingArguments,
 )
 from .errors import UserError
@@ -40,6 +41,8 @@ CHOICES = {
     "lr_scaling": LR_SCALING,
     "lr_scheduler_type": COMMON_SCHEDULERS,
     "resume_from_checkpoint": ("latest", "auto"),
+    "eval_strategy": STRATEGIES,
+    "save_strategy": STRATEGIES,
 }
 _BOOLS = frozenset(f.name for f in fields(TrainingArguments) if f.type in ("bool", bool))
 _NAMES = frozenset(f.name for f in fields(TrainingArguments))

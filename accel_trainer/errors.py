@@ -6,6 +6,11 @@ class UserError(RuntimeError):
     """Bad input: a flag, a file, a folder, a checkpoint, a topology. The message says what to do."""
 
 
+class ArgumentError(UserError, ValueError):
+    """A bad argument value. The message names the flag and what to pass instead. A ValueError too, as it was
+    before 0.3 (callers catching that)."""
+
+
 class MissingExtra(UserError):
     """An optional dependency is not installed: the message names the extra that installs it."""
 

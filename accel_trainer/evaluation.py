@@ -1,6 +1,7 @@
 """Evaluation: the loss and the recipe's metrics over the whole eval split, every sample counted once on any world
-size, and the best model kept (--metric_for_best_model). Plain functions; `Trainer.evaluate` calls them and fires
-the evaluate_end event between the two.
+size, and the best model kept (--metric_for_best_model), stopped on (--early_stopping_patience) and loaded at the end
+(--load_best_model_at_end). Plain functions; `Trainer.evaluate` calls them and fires the evaluate_end event between
+the two.
 """
 
 from __future__ import annotations
@@ -150,6 +151,55 @@ def keep_if_best(accelerator, args, best: float | None, step: int, results: dict
             json.dump({"step": step, "metric": key, "value": value, "greater_is_better": greater}, f)
         os.replace(os.path.join(folder, "best.json.tmp"), os.path.join(folder, "best.json"))
     return value
+
+
+def check_early_stopping(args, eval_loader, recipe_name: str):
+    """--early_stopping_patience counts evaluations of the eval split: refused at start-up without one (it would
+    never stop)."""
+    if args.early_stopping_patience and eval_loader is None:
+        raise UserError(
+            f"--early_stopping_patience {args.early_stopping_patience}: recipe {recipe_name}'s build_data gives no "
+            "'eval' split to evaluate on; add one, or drop the flag."
+        )
+
+
+def stopped_early(args, progress) -> str | None:
+    """The line saying the run stops early, when --early_stopping_patience evaluations in a row have not improved
+    on the best --metric_for_best_model (transformers' EarlyStoppingCallback: strictly better counts); else None.
+    `progress` (the Trainer's, saved in every checkpoint) counts them, so a resumed run that had stopped stays
+    stopped."""
+    patience = args.early_stopping_patience
+    if not patience or progress.evals_without_improvement < patience:
+        return None
+    best = f"{progress.best_metric:.6g} at step {progress.best_step}" if progress.best_step is not None else "none"
+    return (
+        f"accel-trainer: stopping early at step {progress.global_step}: {patience} evaluation(s) in a row did not "
+        f"improve {args.metric_for_best_model} (best: {best}; --early_stopping_patience {patience})."
+    )
+
+
+def load_best(accelerator, model, output_dir: str, progress) -> bool:
+    """--load_best_model_at_end: output_dir/best/'s weights (keep_if_best wrote them from the evaluated model) loaded
+    into `model`, the plain evaluated module, on every rank. False when no evaluation kept one (`progress`, the same
+    on every rank, says: a file check could differ between ranks, and the save that follows is collective). Reads
+    safetensors only. A peft model's best/ is its adapter folder; a transformers model's is a save_pretrained
+    folder, read by its class's from_pretrained (tied and renamed weights, shards) and copied over; a plain
+    module's one file."""
+    from safetensors.torch import load_file, load_model
+
+    if progress.best_step is None:
+        return False
+    folder = os.path.join(output_dir, "best")
+    accelerator.wait_for_everyone()  # the main process wrote best/ before it came here
+    if os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
+    elif os.path.isfile(os.path.join(folder, "config.json")):
+        model.load_state_dict(type(model).from_pretrained(folder).state_dict())  # copied in the model's dtype
+    else:
+        load_model(model, os.path.join(folder, "model.safetensors"), device=str(next(model.parameters()).device))
+    return True
 
 
 def _greater_is_better(args, key: str) -> bool:

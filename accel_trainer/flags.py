@@ -16,6 +16,16 @@ from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from .args import ArgumentError, TrainingArguments
+from .transformers_names import transformers_name
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors one line (bad input is one line naming the fix): argparse printed its usage first, every
+    flag of the run, some 50 lines above the one that matters. `--help` still prints them all."""
+
+    def error(self, message):
+        hint = " (--help lists every flag)" if message.startswith("unrecognized arguments") else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
 
 class _DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -113,7 +123,7 @@ def _add_field(parser: argparse.ArgumentParser, f: Field, hint) -> None:
 
 def _build_parser(classes: list[type]) -> argparse.ArgumentParser:
     # --learning_rat must be an error, not a prefix of --learning_rate: allow_abbrev=False.
-    parser = argparse.ArgumentParser(allow_abbrev=False, formatter_class=_DefaultsHelpFormatter)
+    parser = _Parser(allow_abbrev=False, formatter_class=_DefaultsHelpFormatter)
     for cls in classes:
         hints = typing.get_type_hints(cls)  # resolves `from __future__ import annotations` strings
         for f in fields(cls):
@@ -155,6 +165,10 @@ def parse_args(
         if unknown:
             raise ArgumentError(f"unknown argument(s) {', '.join(unknown)} in the arguments file or recipe defaults.")
         parser.set_defaults(**preset)
+        for token in argv:  # a transformers flag that is no field here: what to pass instead
+            name = token[2:].split("=", 1)[0].replace("-", "_") if token.startswith("--") else None
+            if name and name not in known and transformers_name(name):
+                raise ArgumentError(transformers_name(name))
         # argparse itself exits 2 with "unrecognized arguments: --x" for an unknown flag.
         values = vars(parser.parse_args(argv))
         parsed = [cls(**{f.name: values[f.name] for f in fields(cls) if f.init}) for cls in classes]

@@ -3,7 +3,7 @@
     build_loaders          {"train", "eval"?, "collate"?, "loader"?} -> the train loader, the eval loader, the data
                            position (MapPosition, or streaming.Stream for a stream)
     check_lengths_agree    every rank's loaders give the same number of batches (one gather at start-up)
-    take                   --max_train_samples / --max_eval_samples, for every kind of dataset
+    take, draw             --max_train_samples (the first N) / --max_eval_samples (N drawn with --seed)
     epoch_batches          one epoch of the train loader from a batch on (a resumed run skips what it has seen)
     MapPosition            where the run is in map-style data: windows from there, its state_dict, the run length
     last_batch_rows        the samples in each rank's last batch of an epoch (Accelerate pads it with repeats)
@@ -38,9 +38,9 @@ class UnevenLengthError(UserError):
 def build_loaders(data: dict, args, accelerator, recipe_name: str):
     """build_data's {"train", "eval"?, "collate"?, "loader"?} -> (train loader, eval loader or None, the data
     position: a streaming.Stream for a stream, else a MapPosition). Datasets are cut to --max_train_samples/
-    --max_eval_samples here, for every recipe; then either the recipe's `loader(dataset, batch_size=, train=,
-    drop_last=)` batches them (a batch loader, or None for ours) or a DataLoader that Accelerate shards over the
-    processes."""
+    --max_eval_samples here (take, draw), for every recipe; then either the recipe's `loader(dataset,
+    batch_size=, train=, drop_last=)` batches them (a batch loader, or None for ours) or a DataLoader that
+    Accelerate shards over the processes."""
     if not isinstance(data, dict) or "train" not in data:
         got = f"a dict with keys {sorted(data)}" if isinstance(data, dict) else f"a {type(data).__name__}"
         raise RecipeError(
@@ -77,7 +77,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
                 f"{type(dataset).__name__}, not a map-style dataset (__getitem__, __len__). Return the dataset, "
                 "and a 'loader' factory if the recipe batches it itself (docs/architecture.md)."
             )
-        dataset = take(dataset, args.max_train_samples if train else args.max_eval_samples)
+        dataset = take(dataset, args.max_train_samples) if train else draw(dataset, args.max_eval_samples, args.seed)
         batch_size = args.per_device_train_batch_size if train else args.per_device_eval_batch_size
         drop_last = args.dataloader_drop_last if train else False
         batches = make(dataset, batch_size=batch_size, train=train, drop_last=drop_last) if make else None
@@ -109,10 +109,22 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
 
 
 def default_collate(recipe_name: str, samples: list):
-    """torch's default collate, its failure on samples of different sizes one line naming the fix (it said only
-    "stack expects each tensor to be equal size", from inside the DataLoader)."""
+    """torch's default collate, its failure on samples of different sizes or on PIL images one line naming the fix
+    (it said only "stack expects each tensor to be equal size", or "found <class 'PIL...'>", from inside the
+    DataLoader)."""
     try:
         return torch.utils.data.default_collate(samples)
+    except TypeError as e:
+        found = str(e).rpartition("found ")[2]  # "<class 'PIL.PngImagePlugin.PngImageFile'>"
+        if "'PIL." not in found:
+            raise
+        kind = found.strip("<>").removeprefix("class ").strip("'")
+        raise RecipeError(
+            f"Recipe {recipe_name}: its samples hold PIL images ({kind}), which the default collate cannot batch: "
+            "give the dataset a transform that makes tensors of them, e.g. dataset.with_transform(fn) with "
+            "transformers' AutoImageProcessor or torchvision's ToTensor in fn, or give build_data a 'collate' "
+            "that does."
+        ) from None
     except RuntimeError as e:
         # in a worker process torch stacks into shared memory sized from the first sample, and says "Trying to
         # resize storage that is not resizable" instead
@@ -184,11 +196,22 @@ def _stream_loader(dataset, train: bool, data: dict, args, recipe_name: str):
     )
 
 
-def take(dataset, n: int | None):
-    """The first n samples (--max_train_samples / --max_eval_samples), for every kind of dataset."""
+def take(dataset, n: int | None, indices=None):
+    """The first n samples (--max_train_samples), or the samples at `indices`, for every kind of dataset."""
     if n is None or n >= len(dataset):
         return dataset
-    return dataset.select(range(n)) if hasattr(dataset, "select") else Subset(dataset, range(n))
+    indices = range(n) if indices is None else indices
+    return dataset.select(indices) if hasattr(dataset, "select") else Subset(dataset, indices)
+
+
+def draw(dataset, n: int | None, seed: int):
+    """n samples drawn from the whole eval split with `seed` (--max_eval_samples), kept in the split's order. The
+    first n of a split sorted by label (CIFAR-10's test split) hold one label: accuracy 0 or 1, whatever the model.
+    A function of (seed, len) alone, drawn before Accelerate shards the split: the same samples on any world size."""
+    if n is None or n >= len(dataset):
+        return dataset
+    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:n]
+    return take(dataset, n, chosen.sort().values.tolist())
 
 
 def epoch_batches(loader, epoch: int, skip: int, accelerator):

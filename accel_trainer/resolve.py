@@ -9,6 +9,7 @@ from typing import Any
 from .args import ArgumentError, TrainingArguments
 from .flags import parse_args
 from .recipe import Recipe, RecipeContext, load_recipe
+from .transformers_names import transformers_name
 from .world import launched_world_size
 
 
@@ -76,6 +77,9 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
         names = {"targs": {f.name for f in fields(TrainingArguments)}}
         names["rargs"] = {f.name for f in fields(recipe.Args)} if recipe.Args is not None else set()
         unknown = sorted(set(values) - names["targs"] - names["rargs"])
+        transformers_names = [transformers_name(name, keyword=True) for name in unknown if transformers_name(name)]
+        if transformers_names:  # what to pass instead
+            raise ArgumentError(transformers_names[0])
         if unknown:
             raise ArgumentError(
                 f"unknown argument(s) {', '.join(unknown)} for recipe {recipe.name}: pass TrainingArguments fields "

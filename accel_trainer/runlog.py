@@ -100,18 +100,54 @@ def start_line(config: dict, output_dir: str, resumed_from: str | None) -> str:
     batch = f"{args['per_device_train_batch_size']} x {args['gradient_accumulation_steps']} accumulation x {world}"
     kind = topo["distributed_type"]
     sharding = "FSDP" if kind == "FSDP" else ("none (DDP replicas)" if world > 1 else "none")
+    params = config.get("parameters")
+    model = f"model {params['trainable']:,} trainable + {params['frozen']:,} frozen parameters; " if params else ""
     return (
-        f"accel-trainer: {config['recipe']}; world {world} = {machines} machine(s) x {per_machine} process(es) "
+        f"accel-trainer: {config['recipe']}; {model}world {world} = {machines} machine(s) x {per_machine} process(es) "
         f"({topo['device'].split(':')[0]}, {kind}); global batch {config['global_train_batch_size']} = {batch}; "
         f"{config['total_steps']} updates; precision {topo['mixed_precision']}; sharding {sharding}; output "
         f"{output_dir}; " + (f"resumed from {resumed_from}" if resumed_from else "a new run")
     )
 
 
+# peft's task types (adapter_config.json's task_type) and the AutoPeftModel class that loads each
+PEFT_AUTO_CLASSES = {
+    "SEQ_CLS": "AutoPeftModelForSequenceClassification",
+    "CAUSAL_LM": "AutoPeftModelForCausalLM",
+    "SEQ_2_SEQ_LM": "AutoPeftModelForSeq2SeqLM",
+    "TOKEN_CLS": "AutoPeftModelForTokenClassification",
+    "QUESTION_ANS": "AutoPeftModelForQuestionAnswering",
+    "FEATURE_EXTRACTION": "AutoPeftModelForFeatureExtraction",
+}
+
+
+def adapter_folder(path: str) -> str | None:
+    """The folder of `path` when it is a peft adapter folder (a PeftModel's save_pretrained: adapter_config.json
+    and adapter_model.safetensors, no model.safetensors), else None."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    return folder if os.path.isfile(os.path.join(folder, "adapter_config.json")) else None
+
+
+def _how_to_load_adapter(folder: str) -> str:
+    """peft's ways to load an adapter folder: its AutoPeftModel class, which reads the base model from
+    adapter_config.json's base_model_name_or_path, or PeftModel.from_pretrained on the base model."""
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        config = json.load(f)
+    cls = PEFT_AUTO_CLASSES.get(config.get("task_type"), "AutoPeftModel")
+    on_base = f"peft.PeftModel.from_pretrained(base_model, {folder!r})"
+    base = config.get("base_model_name_or_path")
+    if not base:  # AutoPeftModel has no base model to load
+        return f"{on_base} on the base model the recipe's build_model starts from"
+    return f"peft.{cls}.from_pretrained({folder!r}) or {on_base} (base model: {base!r})"
+
+
 def how_to_load(path: str) -> str:
-    """How to load what the run saved at `path`, phrased from what is there: a save_pretrained folder (its
-    config.json names the class) or a safetensors file of a plain module. Reads JSON only (no code runs)."""
+    """How to load what the run saved at `path`, phrased from what is there: a peft adapter folder, a
+    save_pretrained folder (its config.json names the class) or a safetensors file of a plain module. Reads JSON
+    only (no code runs)."""
     folder = path if os.path.isdir(path) else os.path.dirname(path)  # the weights file of a save_pretrained folder
+    if adapter_folder(path):
+        return _how_to_load_adapter(folder)
     config = os.path.join(folder, "config.json")
     if os.path.isfile(config):
         with open(config) as f:
@@ -126,7 +162,10 @@ def how_to_load(path: str) -> str:
 
 def end_line(steps: int, seconds: float, model_path: str) -> str:
     hint = how_to_load(model_path)
-    if ".from_pretrained(" in hint:  # a save_pretrained folder: the folder is what loads
+    adapter = adapter_folder(model_path)
+    if adapter:  # what a PeftModel's save_pretrained writes (model_path names a model.safetensors it does not)
+        model_path = f"the peft adapter folder {adapter} (adapter_model.safetensors, adapter_config.json)"
+    elif ".from_pretrained(" in hint:  # a save_pretrained folder: the folder is what loads
         model_path = os.path.dirname(model_path) if os.path.isfile(model_path) else model_path
     return f"accel-trainer: done at step {steps} ({seconds:.1f} s); the model is {model_path}; load it with {hint}"
 

@@ -67,13 +67,18 @@ class Progress:
     skipped_steps: int = 0  # fp16 overflow skips + non-finite skips
     best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
     best_step: int | None = None
+    evals_without_improvement: int = 0  # --early_stopping_patience counts them
 
     def updated(self, stepped: bool):
         self.global_step += 1
         self.skipped_steps += not stepped
 
-    def new_best(self, value: float):
-        self.best_metric, self.best_step = value, self.global_step
+    def new_best(self, value: float | None):
+        """An evaluation's outcome: its value when it improved on the best (None: it did not)."""
+        if value is None:
+            self.evals_without_improvement += 1
+        else:
+            self.best_metric, self.best_step, self.evals_without_improvement = value, self.global_step, 0
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -82,6 +87,8 @@ class Progress:
         """A checkpoint's values; a field it lacks (an older checkpoint) keeps its default."""
         for name, default in asdict(Progress()).items():
             setattr(self, name, state.get(name, default))
+        if type(self.evals_without_improvement) is not int:  # not checked by checkpointing.verify: none resumed
+            self.evals_without_improvement = 0
 
 
 class Trainer:
@@ -124,6 +131,7 @@ class Trainer:
         built = self.recipe.build_data(self.ctx)
         self.train_loader, self.eval_loader, self.data = loaders.build_loaders(built, args, acc, self.recipe.name)
         self.tokenizer = built.get("tokenizer")  # saved beside a transformers model (checkpointing/pretrained.py)
+        evaluation.check_early_stopping(args, self.eval_loader, self.recipe.name)
         if args.dataloader_num_workers and not isinstance(self.train_loader, DataLoader):  # a stream's is one
             self.reporter.print(
                 f"note: --dataloader_num_workers {args.dataloader_num_workers} does nothing here: recipe "
@@ -245,12 +253,13 @@ class Trainer:
                 step, last = p.global_step, p.global_step >= self.total_steps
                 if step % args.logging_steps == 0 or last:
                     self.log(bar)
-                # at an epoch's end; not for a stream, whose epochs end at other updates on each rank
-                eval_due = step % args.eval_steps == 0 if args.eval_steps else self.data.epoch_just_ended()
-                if not last and self.eval_loader is not None and eval_due:
+                # epochs: never for a stream, whose epochs end at other updates on each rank
+                epoch_ended = self.data.epoch_just_ended()
+                if not last and self.eval_loader is not None and args.evaluates_after(step, epoch_ended):
                     with self.meter.paused():  # not update time in the log rows
                         metrics = self.evaluate()
-                if not last and args.save_steps and step % args.save_steps == 0:
+                    last = self._stops_early()  # the run then ends as after its last update
+                if not last and args.saves_after(step, epoch_ended):
                     with self.meter.paused():
                         self.save_checkpoint()
                 if not last and self.preemption.agreed():  # a signal reached some rank by the previous update
@@ -269,12 +278,17 @@ class Trainer:
         update, so the final evaluation need not be in it."""
         self.checkpoints.wait()  # the loop's last background write is committed before anything else
         saved = []
-        if self.args.save_steps:
+        if self.args.checkpoints:
             saved.append(self.save_checkpoint())
             self.checkpoints.wait()  # committed before the model file is written
         saved.insert(0, self.save_model())
         failed = None
         try:
+            if self.args.load_best_model_at_end and self.eval_loader is not None:
+                self.evaluate()  # the last update's weights compete for best/ too
+                plain = self.ema.module if self.ema is not None else self.unwrapped_model  # what save_model saves
+                if evaluation.load_best(self.accelerator, plain, self.args.output_dir, self.progress):
+                    saved[0] = self.save_model()  # the best weights, evaluated below as the final evaluation
             if self.eval_loader is not None or self.events.has("evaluate_end"):
                 metrics = self.evaluate(final=True)
         except Exception as e:  # noqa: BLE001 - reported in one line, after the saves above
@@ -309,7 +323,7 @@ class Trainer:
             detail = f"{type(error).__name__}: {first} (traceback in {where})"
         again = (
             "fix it, then run again with --resume_from_checkpoint latest, which does not train again"
-            if self.args.save_steps
+            if self.args.checkpoints
             else "fix it and evaluate the saved model"
         )
         return AfterTrainingError(
@@ -327,6 +341,8 @@ class Trainer:
         so a checkpoint written after the update of a window resumes right after it. The time spent here, between
         handing out two windows, is the time spent waiting for data."""
         if self.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
+            return
+        if evaluation.stopped_early(self.args, self.progress):  # a resumed run that had stopped early: it is done
             return
         asked = time.perf_counter()
         for window in self.data.windows(self.args.gradient_accumulation_steps):  # the data position moves
@@ -386,9 +402,16 @@ class Trainer:
                 best = evaluation.keep_if_best(
                     self.accelerator, self.args, p.best_metric, p.global_step, results, self.save_model
                 )
-                if best is not None:
+                if best is not None or not final:  # the final evaluation does not count for early stopping
                     p.new_best(best)
         return results
+
+    def _stops_early(self) -> bool:
+        """--early_stopping_patience evaluations in a row without improvement: say so, and stop (fit)."""
+        line = evaluation.stopped_early(self.args, self.progress)
+        if line:
+            self.reporter.print(line)
+        return line is not None
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:

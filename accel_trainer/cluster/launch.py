@@ -10,8 +10,9 @@ It takes the same arguments as `accelerate launch` and:
   not resolve or has no route;
 - turns a preemption into one signal per worker and exit code 75 (faults.EXIT_PREEMPTED), which torchrun would
   report as 1, so that a job script can requeue;
-- passes the output through, and when the run fails says who was missing or lost and what to check (`diagnose`,
-  shared with `accel-trainer check`).
+- passes the output through (torch elastic's ChildFailedError report left out: output.py), and when the run fails
+  ends with the ranks' exit codes, who was missing or lost and what to check (`diagnose`, shared with
+  `accel-trainer check`), and the ranks' `error:` lines.
 """
 
 import argparse
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from accel_trainer import faults, sharding, world
 from accel_trainer.cluster import cluster_config, network
+from accel_trainer.cluster.output import Passthrough, describe_exit_codes, error_lines
 from accel_trainer.errors import UserError
 from accel_trainer.faults import EXIT_PREEMPTED
 
@@ -253,8 +255,8 @@ def launch(argv: list[str], rdzv_timeout_s: int = cluster_config.DEFAULT_RDZV_TI
         print(f"accel-trainer launch: {note}", flush=True)
     print("accel-trainer launch: accelerate launch " + shlex.join(p.cmd[3:]), flush=True)
     run = _Run(p)
-    rc, output = run.wait()
-    if rc != 0 and faults.PREEMPTED.search(output):
+    rc, text = run.wait()
+    if rc != 0 and faults.PREEMPTED.search(text):
         # From here on the answer is 75: a late SIGTERM (srun --kill-on-bad-exit ends the other nodes' tasks as soon
         # as one exits 75) must not turn it into a death by signal.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -268,7 +270,7 @@ def launch(argv: list[str], rdzv_timeout_s: int = cluster_config.DEFAULT_RDZV_TI
     if run.lost and rc < 0:  # the agent ended by the launcher (a signal) after the loss: exit 1, not -15
         rc = 1
     if rc != 0:
-        why = diagnose(output, p.config, p.machine_rank)
+        why = diagnose(text, p.config, p.machine_rank)
         if run.lost:
             why = (
                 f"{run.lost}: the link to machine 0, or machine 0 itself, is gone. Resume with "
@@ -276,7 +278,14 @@ def launch(argv: list[str], rdzv_timeout_s: int = cluster_config.DEFAULT_RDZV_TI
             )
         if run.signalled:
             why = f"{run.signalled} arrived and no preemption checkpoint was reported; " + why
-        print(f"accel-trainer launch: the run failed (exit {rc}): {why}", file=sys.stderr, flush=True)
+        # The output ends with what the user acts on: the exit codes and the ranks' error lines (which torch
+        # elastic's report used to follow), after the diagnosis.
+        codes = describe_exit_codes(run.passthrough.exit_codes())
+        errors = error_lines(text)
+        if errors and why == "see the output above":
+            why = "the ranks' error line follows" if len(errors) == 1 else "the ranks' error lines follow"
+        lines = [f"accel-trainer launch: the run failed (exit {rc}{'; ' + codes if codes else ''}): {why}", *errors]
+        print("\n".join(lines), file=sys.stderr, flush=True)
     return rc
 
 
@@ -352,6 +361,7 @@ class _Run:
 
     def __init__(self, p: Plan):
         self.plan, self.signalled, self.forwarded, self.signal_at = p, None, False, 0.0
+        self.passthrough = Passthrough()  # what of the output is shown
         self.received: set[int] = set()
         self.proc = subprocess.Popen(
             p.cmd,
@@ -427,7 +437,7 @@ class _Run:
                     chunk = os.read(fd, 65536)
                     if not chunk:
                         break
-                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.buffer.write(self.passthrough.feed(chunk))
                     sys.stdout.buffer.flush()
                     tail = (tail + chunk)[-262144:]
                     text = tail.decode(errors="replace")
@@ -446,6 +456,8 @@ class _Run:
                 self.proc.kill()
                 rc = self.proc.wait()
         finally:
+            sys.stdout.buffer.write(self.passthrough.end())
+            sys.stdout.buffer.flush()
             for s, h in self.previous.items():
                 signal.signal(s, h)
             if self.watch is not None:
