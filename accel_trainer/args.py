@@ -242,6 +242,15 @@ class TrainingArguments:
         },
     )
 
+    allow_args_change: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume with another value of an argument that changes the numbers (learning rate, schedule, "
+            "optimizer, precision, seed, ...) than the run being resumed was trained with. Without it such a resume "
+            "is refused; arguments left out are taken from the run's record (run_args.json in the checkpoint)."
+        },
+    )
+
     # --- learning-rate scaling -----------------------------------------------------------------------------------
     lr_scaling: str = field(
         default="none",

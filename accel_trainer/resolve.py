@@ -6,7 +6,9 @@ import os
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any
 
-from .args import ArgumentError, TrainingArguments
+from .args import TrainingArguments
+from .checkpointing import record
+from .errors import ArgumentError
 from .flags import parse_args
 from .recipe import Recipe, RecipeContext, load_recipe
 from .transformers_names import transformers_name
@@ -54,6 +56,10 @@ class ResolvedArgs:
     given: frozenset
     recipe: Recipe
     ctx: RecipeContext
+    resumed: tuple | None = (
+        None  # (checkpoint, its record) whose arguments this run continues (checkpointing/record.py)
+    )
+    notes: tuple = ()  # lines to say at start-up: arguments given with other values than the resumed run's
 
     def __iter__(self):
         return iter((self.targs, self.rargs, self.given))
@@ -63,7 +69,8 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
     """THE argument resolution of a run, for every entry point (python recipes/x.py, accelerate launch,
     accel-trainer train, Trainer.from_recipe, Trainer(recipe, TrainingArguments(...))), so they cannot drift:
 
-        our defaults  <  the recipe's `defaults`  <  its `configure` (presets)  <  what the user set
+        our defaults  <  the recipe's `defaults`  <  its `configure` (presets)  <  a resumed run's record
+                      <  what the user set
 
     The user's values come either from a command line (`argv`, which may start with a YAML/JSON arguments file)
     or from Python (`values`: field names of TrainingArguments or the recipe's Args). `configure` sees which fields
@@ -98,7 +105,10 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
     if recipe.configure:
         recipe.configure(ctx)
     targs.output_dir = output_dir_of(targs, recipe)  # after configure: a preset may name the folder
-    return ResolvedArgs(targs, rargs, given, recipe, ctx)
+    # A resumed run continues the run it resumes: what the user left out comes from that run's record.
+    resumed = record.find(targs.resume_from_checkpoint, targs.output_dir)
+    notes = record.apply(targs, rargs, given, resumed) if resumed is not None else []
+    return ResolvedArgs(targs, rargs, given, recipe, ctx, resumed, tuple(notes))
 
 
 def output_dir_of(args: TrainingArguments, recipe: Recipe) -> str:

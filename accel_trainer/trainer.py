@@ -114,7 +114,7 @@ class Trainer:
         self.reporter = Reporter(acc, args.output_dir, quiet=quiet)
         # The run owns output_dir from here until fit() ends (a second run on it is refused); checked on every rank
         # before any rank writes.
-        resume_path, kept_best, lock = prepare_output_dir(acc, args, self.reporter.print)
+        resume_path, kept_best, lock = prepare_output_dir(acc, args, self.reporter.print, resolved)
         self.ctx = resolved.ctx.complete(acc, targs=args, resume_from=resume_path)
         # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
         # arguments keep the user's --learning_rate.
@@ -176,7 +176,7 @@ class Trainer:
             optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
             fire=lambda event, *a: me().events.fire(event, me(), *a), before_save=lambda: me().log(),
             save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
-            if self.sharded else None, tokenizer=self.tokenizer, lock=lock,
+            if self.sharded else None, tokenizer=self.tokenizer, lock=lock, recipe_args=self.recipe_args,
         )  # fmt: skip
         self.profiler = None  # --profile_steps: torch's profiler over those updates (profiling.py)
         if args.profile_steps:

@@ -63,7 +63,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(trained):
     on_disk = sorted(f for f in os.listdir(root / "step_8") if f != "manifest.json")
     assert sorted(m["files"]) == on_disk
     assert on_disk == ["model.safetensors", "optimizer.json", "optimizer.safetensors", "rng_state_0.json",
-                       "scheduler.json", "trainer_state.json"]  # fmt: skip
+                       "run_args.json", "scheduler.json", "trainer_state.json"]  # fmt: skip
     for name, meta in m["files"].items():
         data = open(root / "step_8" / name, "rb").read()
         assert meta["size"] == len(data) and meta["sha256"] == hashlib.sha256(data).hexdigest()
@@ -468,7 +468,9 @@ def test_an_ema_that_does_not_continue_is_said_and_one_of_another_shape_is_refus
     checkpoint resumed without --ema_decay ended it without a word, and EMA weights of another shape were a
     RuntimeError traceback out of safetensors."""
     out = copy_run(trained, tmp_path / "run")
-    args = TrainingArguments(output_dir=str(out), max_steps=16, ema_decay=0.9, resume_from_checkpoint="latest")
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=16, ema_decay=0.9, resume_from_checkpoint="latest", allow_args_change=True
+    )  # the run had no EMA: adding one is a change of its numbers
     Trainer(regression, args, regression.Args())
     assert (
         "has no ema.safetensors (written without --ema_decay): the EMA starts from its weights"
@@ -478,7 +480,8 @@ def test_an_ema_that_does_not_continue_is_said_and_one_of_another_shape_is_refus
     ema_run = tmp_path / "ema"
     make(ema_run, max_steps=4, save_steps=4, ema_decay=0.9).fit()
     folder = ema_run / "checkpoints" / "step_4"
-    args = TrainingArguments(output_dir=str(ema_run), max_steps=8, resume_from_checkpoint="latest")
+    args = TrainingArguments(output_dir=str(ema_run), max_steps=8, resume_from_checkpoint="latest", ema_decay=0.0,
+                             allow_args_change=True)  # fmt: skip
     Trainer(regression, args, regression.Args())
     assert "ema.safetensors end here: this run has no --ema_decay" in capsys.readouterr().out
 
@@ -496,8 +499,11 @@ def test_another_seed_in_the_middle_of_an_epoch_is_refused(trained, tmp_path):
     """The epoch's order is a function of (seed, epoch): continued with another --seed, the rest of the epoch
     would repeat some samples and skip others (before: accepted without a word)."""
     out = copy_run(trained, tmp_path / "run")
+    step_4 = str(out / "checkpoints" / "step_4")
+    with pytest.raises(UserError, match=r"seed=7 \(the run: 42\): a resumed run continues the run it resumes"):
+        make(out, max_steps=16, seed=7, resume_from_checkpoint=step_4)  # another seed at all: the run's record
     with pytest.raises(CheckpointError, match=r"written with seed=42 in the middle of epoch 0; this run's seed=7 "):
-        make(out, max_steps=16, seed=7, resume_from_checkpoint=str(out / "checkpoints" / "step_4"))
+        make(out, max_steps=16, seed=7, resume_from_checkpoint=step_4, allow_args_change=True)
     assert make(out, max_steps=16, seed=42, resume_from_checkpoint=str(out / "checkpoints" / "step_4")).global_step == 4
 
 
@@ -579,3 +585,31 @@ def test_a_resume_reads_no_pickle(trained, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0 and "tripwire" not in proc.stderr, proc.stderr[-3000:]
     assert "Resumed from" in proc.stderr + proc.stdout
+
+
+def test_a_resume_continues_with_the_runs_own_arguments(tmp_path, capsys):
+    """Resumed with only resume_from_checkpoint, the run continues with its learning rate, warm-up, schedule, seed,
+    length and recipe arguments (before: the defaults, silently; run_config.json recorded a learning rate that never
+    trained), and ends with the uninterrupted run's bytes; another value of one that changes the numbers is refused
+    in one line naming it, unless allow_args_change; another length is a note."""
+    kw = dict(learning_rate=3e-3, warmup_steps=3, lr_scheduler_type="cosine", seed=7, max_steps=12, save_steps=4)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    make(whole, regression, regression.Args(hidden_size=24), **kw).fit()
+    trainer = make(cut, regression, regression.Args(hidden_size=24), **kw)
+    trainer.on("checkpoint_written", lambda t, p: (_ for _ in ()).throw(KeyboardInterrupt) if t.global_step == 4 else 0)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    args = TrainingArguments(output_dir=str(cut), resume_from_checkpoint="latest", disable_tqdm=True)
+    resumed = Trainer(regression, args, quiet=True)  # nothing else given
+    assert (resumed.args.learning_rate, resumed.args.warmup_steps, resumed.args.seed) == (3e-3, 3, 7)
+    assert resumed.recipe_args.hidden_size == 24 and resumed.total_steps == 12
+    resumed.fit()
+    assert (cut / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    config = json.load(open(cut / "run_config.json"))
+    assert config["learning_rate"]["used"] == 3e-3
+    with pytest.raises(UserError, match=r"learning_rate=0.1 \(the run: 0.003\); seed=1 \(the run: 7\): a resumed run"):
+        make(cut, learning_rate=0.1, seed=1, max_steps=12, resume_from_checkpoint="latest")
+    again = Trainer(regression, TrainingArguments(output_dir=str(cut), learning_rate=0.1, max_steps=16, disable_tqdm=True,
+                    resume_from_checkpoint="latest", allow_args_change=True))  # fmt: skip
+    assert again.args.learning_rate == 0.1 and again.args.warmup_steps == 3
+    assert "with --learning_rate 0.1 (the run: 0.003), --max_steps 16 (the run: 12)" in capsys.readouterr().out

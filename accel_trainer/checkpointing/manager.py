@@ -34,6 +34,7 @@ from ..update import is_plain_torch
 from . import folder as ckpt_folder
 from . import lock as ckpt_lock
 from . import pretrained
+from . import record as ckpt_record
 from . import resume as ckpt_resume
 from . import state as ckpt_state
 
@@ -44,11 +45,14 @@ PREVIOUS_RUN_FILES = (
 )  # fmt: skip
 
 
-def prepare_output_dir(accelerator, args, say=None) -> tuple[str | None, dict, ckpt_lock.OutputLock | None]:
+def prepare_output_dir(
+    accelerator, args, say=None, resolved=None
+) -> tuple[str | None, dict, ckpt_lock.OutputLock | None]:
     """(the checkpoint to resume from (None: a new run), the best evaluation of an earlier attempt whose best/ is
     kept (Progress fields), the lock the main process holds on output_dir (lock.py; None on the others)), once
     every rank has checked output_dir; then it exists. The lock is taken first: a second run on the folder is
-    refused before it reads or moves anything there."""
+    refused before it reads or moves anything there. `resolved`: the arguments, resolved with the record of the
+    checkpoint the resume was expected to take (record.py): the one verified must hold the same."""
     spec = args.resume_from_checkpoint
     if (
         spec
@@ -59,6 +63,17 @@ def prepare_output_dir(accelerator, args, say=None) -> tuple[str | None, dict, c
     lock = ckpt_resume.on_main(accelerator, lambda: ckpt_lock.acquire(args.output_dir, say), "output_dir", share=False)
     try:
         resume_path, kept_best = _check_output_dir(accelerator, args)
+        expected = getattr(resolved, "resumed", None)
+        if resume_path is not None and expected is not None and resume_path != expected[0]:
+            if ckpt_record.read(resume_path) != expected[1]:  # latest fell back to a checkpoint of other arguments
+                raise ckpt_folder.CheckpointError(
+                    f"--resume_from_checkpoint {args.resume_from_checkpoint}: the checkpoint resumed, {resume_path}, "
+                    f"was written with other arguments than {expected[0]}, which could not be used (see above). "
+                    f"Pass --resume_from_checkpoint {resume_path} to continue it."
+                )
+        if say is not None and accelerator.is_main_process:
+            for note in getattr(resolved, "notes", ()):
+                say(note)
         accelerator.wait_for_everyone()
     except BaseException:
         if lock is not None:
@@ -153,7 +168,7 @@ class CheckpointManager:
 
     def __init__(
         self, accelerator, args, *, state: list, data, model, optimizer, scheduler, ema, preemption, say, fire,
-        before_save, save_full_model=None, tokenizer=None, lock=None,
+        before_save, save_full_model=None, tokenizer=None, lock=None, recipe_args=None,
     ):  # fmt: skip
         self.accelerator, self.args = accelerator, args
         self.components, self.data = state, data
@@ -161,6 +176,7 @@ class CheckpointManager:
         self.preemption, self.say, self.fire, self.before_save = preemption, say, fire, before_save
         self.save_full_model = save_full_model
         self.tokenizer = tokenizer
+        self.record = ckpt_record.of(args, recipe_args)  # the run's arguments, in every checkpoint (record.py)
         self.lock = lock  # the main process's lock on output_dir (lock.py), held until fit() ends
         self.owns_output_dir = True
         self.saved_step = None  # the step of the last checkpoint written by this run
@@ -234,6 +250,8 @@ class CheckpointManager:
         captured = ckpt_state.capture(
             acc, self.model, self.optimizer, self.scheduler, step, self.sharded, frozen=self.frozen
         )
+        if acc.is_main_process:
+            captured.small[ckpt_record.RECORD_FILE] = self.record
         path = ckpt_folder.save_checkpoint(
             acc,
             self.args.output_dir,

@@ -9,6 +9,7 @@
     optimizer.safetensors    those of its tensors that are whole on every rank (all of them without FSDP)
     optimizer/               sharded runs: its sharded tensors, as DCP safetensors shards
     scheduler.json, scaler.json (fp16), rng_state_<rank>.json (each rank's random generators)
+    run_args.json            the run's arguments, which a resumed run continues with (record.py)
     frozen.json              a model with frozen parameters (a LoRA adapter on a pretrained base): their names and
                              fingerprints; model.safetensors then holds what trains and the buffers, not the frozen
                              base, which build_model builds again (checked against the fingerprints on resume)
@@ -44,6 +45,7 @@ SCHEDULER_FILE = "scheduler.json"
 SCALER_FILE = "scaler.json"
 RNG_FILE = "rng_state_{rank}.json"
 FROZEN_FILE = "frozen.json"
+RECORD_FILE = "run_args.json"  # the run's arguments (record.py)
 
 
 @dataclass

@@ -38,6 +38,7 @@ RNG_FILE = re.compile(r"^rng_state_(\d+)\.json$")
 _TOP = {
     MANIFEST_FILE, STATE_FILE, EMA_FILE, ckpt_state.MODEL_FILE, ckpt_state.OPTIMIZER_FILE,
     ckpt_state.OPTIMIZER_TENSORS, ckpt_state.SCHEDULER_FILE, ckpt_state.SCALER_FILE, ckpt_state.FROZEN_FILE,
+    ckpt_state.RECORD_FILE,
 }  # fmt: skip
 _SHARD_DIRS = (ckpt_state.SHARDED_MODEL, ckpt_state.SHARDED_OPTIMIZER)
 # The files of accel-trainer <= 0.2's checkpoints (Accelerate's save_state, DCP's FileSystemWriter): pickles.
@@ -239,7 +240,8 @@ def check_complete(path: str, manifest: dict, state: dict):
     writing rank's RNG state (and none of a rank that did not write)."""
     files, ranks = manifest["files"], state["num_processes"]
     sharded = any(rel.startswith(ckpt_state.SHARDED_MODEL + os.sep) for rel in files)
-    needed = [ckpt_state.OPTIMIZER_FILE, ckpt_state.SCHEDULER_FILE] + [f"rng_state_{r}.json" for r in range(ranks)]
+    needed = [ckpt_state.OPTIMIZER_FILE, ckpt_state.SCHEDULER_FILE, ckpt_state.RECORD_FILE]
+    needed += [f"rng_state_{r}.json" for r in range(ranks)]
     missing = [name for name in needed + ([] if sharded else [ckpt_state.MODEL_FILE]) if name not in files]
     extra = [rel for rel in files if (m := RNG_FILE.match(rel)) and int(m.group(1)) >= ranks]
     if missing or extra:
