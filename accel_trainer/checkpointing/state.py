@@ -199,21 +199,30 @@ def rng_states() -> dict:
     return states
 
 
+def check_rng_states(states) -> None:
+    """rng_states() as a checkpoint holds them, restorable: ValueError naming what is wrong. (This process's
+    generators are set to them and back.)"""
+    saved = rng_states()
+    set_rng_states(states)
+    set_rng_states(saved)
+
+
 def set_rng_states(states: dict) -> str | None:
     """Restore rng_states(); raises ValueError naming what is wrong (every generator is checked before any is set).
     Returns a note when the GPUs' generators cannot continue (a checkpoint of another machine)."""
     need = {"python", "numpy", "torch"}
     if not isinstance(states, dict) or not need <= set(states) or set(states) - need - {"cuda"}:
-        keys = sorted(states) if isinstance(states, dict) else type(states).__name__
+        keys = sorted(map(str, states))[:6] if isinstance(states, dict) else type(states).__name__
         raise ValueError(f"holds {keys}, not the generators python, numpy, torch (and cuda)")
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     try:
         random.setstate(states["python"])
         np.random.set_state(states["numpy"])
         torch.set_rng_state(states["torch"])
-    except (TypeError, ValueError, RuntimeError, IndexError) as e:
+    except (TypeError, ValueError, RuntimeError, IndexError, OverflowError, KeyError) as e:
         random.setstate(saved[0]), np.random.set_state(saved[1]), torch.set_rng_state(saved[2])
-        raise ValueError(f"holds a random state that cannot be restored ({type(e).__name__}: {e})") from None
+        first = (str(e).strip().splitlines() or [""])[0][:150]
+        raise ValueError(f"holds a random state that cannot be restored ({type(e).__name__}: {first})") from None
     cuda = states.get("cuda")
     if torch.cuda.is_available():
         if not isinstance(cuda, list) or len(cuda) != torch.cuda.device_count():

@@ -245,7 +245,8 @@ def check_complete(path: str, manifest: dict, state: dict):
     missing = [name for name in needed + ([] if sharded else [ckpt_state.MODEL_FILE]) if name not in files]
     extra = [rel for rel in files if (m := RNG_FILE.match(rel)) and int(m.group(1)) >= ranks]
     if missing or extra:
-        what = f"lists no {', '.join(missing)}" if missing else f"lists {extra[0]}"
+        names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        what = f"lists no {names}" if missing else f"lists {extra[0]}"
         raise CheckpointError(
             f"Checkpoint {path}: {MANIFEST_FILE} {what}, which a checkpoint written by {ranks} process(es) "
             f"{'holds' if missing else 'does not hold'}: it cannot continue the run it comes from. Resume from "
@@ -364,12 +365,14 @@ def check_json_files(path: str, manifest: dict, state: dict, tensors: dict):
                 f"Checkpoint {path}: {file} does not use the tensors {sorted(set(names) - used)[:3]} of its files: "
                 "they do not belong together."
             )
-        if RNG_FILE.match(rel) and not (isinstance(value, dict) and {"python", "numpy", "torch"} <= set(value)):
-            keys = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise CheckpointError(
-                f"Checkpoint {path}: {file} holds {keys}, not the random generators python, numpy and torch: the "
-                "run would continue with other random numbers. Resume from another checkpoint."
-            )
+        if RNG_FILE.match(rel):
+            try:
+                ckpt_state.check_rng_states(value)
+            except ValueError as e:
+                raise CheckpointError(
+                    f"Checkpoint {path}: {file} {e}: the run would continue with other random numbers. Resume from "
+                    "another checkpoint."
+                ) from None
 
 
 def read_state_file(path: str, file: str, step: int, tensors: dict | None = None, used: set | None = None):
