@@ -163,7 +163,8 @@ def test_fsdp2_async_checkpoints_hold_the_sync_data_and_resume_bit_identical(tmp
             assert a.keys() == s.keys() and "model/shard-00002-model-00001-of-00001.safetensors" in a
             for rel in a:  # DCP's shards: the same tensors and header (safetensors orders its metadata as it hashes)
                 folders = [out[n] / "checkpoints" / f"step_{step}" / rel for n in ("async", "sync")]
-                assert a[rel] == s[rel] or contents(folders[0]) == contents(folders[1]), rel
+                same = a[rel] == s[rel] or rel.endswith(".safetensors") and contents(folders[0]) == contents(folders[1])
+                assert same, rel
         assert final_bytes(out["async"]) == final_bytes(out["sync"])
         shutil.copytree(out["async"] / "checkpoints" / "step_4", out["resumed"] / "checkpoints" / "step_4")
         started.append(launch("resumed", "--save_async", "--resume_from_checkpoint", "latest"))

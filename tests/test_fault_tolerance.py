@@ -35,7 +35,7 @@ DEADLINE = 180  # seconds any single launch may take on a loaded 2-core machine
 
 def launch(tmp, out, nproc, extra=(), faults=None, launcher_args=(), extra_env=None) -> Launch:
     """The fault recipe on nproc processes, in its own session (tests/procs.py)."""
-    extra = list(extra) + (["--faults", faults] if faults else [])
+    extra = list(extra) + ["--faults", faults or ""]  # given, so that a resume does not take the run's faults
     cmd = launch_cmd(nproc) + list(launcher_args) + [SCRIPT, "--output_dir", str(out)] + ARGS + extra
     log = os.path.join(tmp, f"log_{time.monotonic_ns()}.txt")
     return Launch(cmd, log, env=env(**(extra_env or {})), deadline=DEADLINE)

@@ -86,7 +86,7 @@ def test_a_second_run_on_a_running_folder_is_refused_and_a_killed_one_leaves_no_
         killed.wait()
     finally:
         killed.stop()
-    again = start(out, tmp_path / "again.log", "--max_steps", "50", "--save_steps", "10",
+    again = start(out, tmp_path / "again.log", "--max_steps", "50", "--save_steps", "10", "--faults", "",
                   "--resume_from_checkpoint", "latest", nproc=nproc)  # fmt: skip
     log = again.wait_ok()
     assert "Resumed from" in log and "in use" not in log

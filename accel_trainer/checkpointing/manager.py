@@ -54,11 +54,8 @@ def prepare_output_dir(
     refused before it reads or moves anything there. `resolved`: the arguments, resolved with the record of the
     checkpoint the resume was expected to take (record.py): the one verified must hold the same."""
     spec = args.resume_from_checkpoint
-    if (
-        spec
-        and not spec.startswith(("latest", "auto"))
-        and not _within(spec, ckpt_folder.checkpoints_root(args.output_dir))
-    ):
+    elsewhere = spec and not spec.startswith(("latest", "auto")) and os.path.isdir(spec)
+    if elsewhere and not _within(spec, ckpt_folder.checkpoints_root(args.output_dir)):
         _refuse_overlap(spec, args.output_dir)  # before the lock file is written into output_dir (the checkpoint)
     lock = ckpt_resume.on_main(accelerator, lambda: ckpt_lock.acquire(args.output_dir, say), "output_dir", share=False)
     try:

@@ -32,7 +32,7 @@ from .state import RECORD_FILE  # noqa: F401 - its name, where the checkpoint wr
 INVOCATION = frozenset({
     "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "push_to_hub", "hub_model_id",
     "allow_global_batch_change", "allow_args_change", "report_to", "run_name", "disable_tqdm", "log_level_replica",
-    "ddp_timeout", "peak_tflops", "profile_steps", "dataloader_num_workers", "use_cpu",
+    "ddp_timeout", "peak_tflops", "profile_steps", "dataloader_num_workers", "use_cpu", "save_async",
 })  # fmt: skip
 # Arguments whose change makes the resumed run other numbers than the run it continues.
 NUMBERS = frozenset({
