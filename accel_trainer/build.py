@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from . import precision, sharding
+from . import precision, sharding, shards
 from .errors import UserError
 from .optim import default_optimizer, default_scheduler
 from .runlog import library_versions, topology
@@ -115,6 +115,6 @@ def run_config(trainer) -> dict:
         "fp8_layers": t.fp8_layers,  # {"converted", "linear", "backend"} under fp8, else None
         "parameters": parameter_counts(t.accelerator.unwrap_model(t.model, keep_torch_compile=False)),
         # What each rank holds (parameters now; the local shards under FSDP), in rank order. Collective.
-        "sharding": sharding.rank_holdings(t.accelerator, t.model, t.optimizer, t.sharding_info),
+        "sharding": shards.rank_holdings(t.accelerator, t.model, t.optimizer, t.sharding_info),
         "versions": library_versions(),
     }

@@ -7,7 +7,7 @@ The seam the Trainer calls, in order (docs/sharding.md has the whole integration
     activate_fsdp(acc, plugin)                                 # CPU: Accelerate's own FSDP2 path, see below
     (model, opt, sched), info = prepare_sharded(acc, model, opt, sched, wrap=recipe_classes)
     ...                                                        # training: acc.no_sync, acc.clip_grad_norm_
-    save_full_model(acc, model, "model.safetensors")           # every rank: gathers the shards
+    shards.save_full_model(acc, model, "model.safetensors")    # every rank: gathers the shards (shards.py)
 
 Why `activate_fsdp`: Accelerate 1.15 decides the distributed type in `AcceleratorState.__init__`, and only turns
 a multi-device world into `DistributedType.FSDP` for accelerator devices (MULTI_GPU, MULTI_XPU, ...). On CPU the
@@ -35,16 +35,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from . import privates, versions
-
-# The seam keeps its names: the Trainer, bench/memory.py and docs/sharding.md call sharding.save_full_model etc.
-from .shards import (  # noqa: F401
-    ShardingError,
-    assert_sharded,
-    full_state_dict,
-    rank_holdings,
-    rank_state_bytes,
-    save_full_model,
-)
+from .shards import ShardingError, assert_sharded
 
 # Size-based wrapping for models without transformer blocks to name: every submodule over this many parameters
 # becomes its own FSDP unit (all-gathered just before its forward, freed after). Smaller models are one unit.

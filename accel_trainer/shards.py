@@ -1,6 +1,7 @@
 """A sharded model's shards: checked (every parameter a DTensor over the whole world), counted per rank for
 run_config.json and bench/memory.py, and gathered into the full model for model.safetensors and best/.
-sharding.py is the seam the Trainer calls and hands these names on.
+sharding.py, the seam that sets sharding up, checks with them; the Trainer, build.py and bench/memory.py import them
+from here.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import build, debugging, evaluation, faults, loaders, peers, preflight, sharding
+from . import build, debugging, evaluation, faults, loaders, peers, preflight, shards
 from .accel import configure_process
 from .args import TrainingArguments
 from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
@@ -41,13 +41,8 @@ from .checkpointing.pretrained import push_to_hub
 from .entry import python_api
 from .errors import UserError
 from .events import Events
-from .logwindow import LogWindow, NonFiniteLossError  # noqa: F401 - NonFiniteLossError: its old home, for callers
-from .resolve import (
-    ResolvedArgs,
-    output_dir_of,  # noqa: F401 - its old home: callers may still import it from here
-    resolve_args,
-    user_values,
-)
+from .logwindow import LogWindow
+from .resolve import ResolvedArgs, resolve_args, user_values
 from .runlog import Reporter, end_line, flat_config, start_line
 from .throughput import Meter, detected_peak_tflops
 from .update import Updater
@@ -175,7 +170,7 @@ class Trainer:
             acc, args, state=[self.progress, self.data, self.updater], data=self.data, model=self.model,
             optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema, preemption=self.preemption, say=self.reporter.print,
             fire=lambda event, *a: me().events.fire(event, me(), *a), before_save=lambda: me().log(),
-            save_full_model=functools.partial(sharding.save_full_model, acc, self.model, output_dir=args.output_dir)
+            save_full_model=functools.partial(shards.save_full_model, acc, self.model, output_dir=args.output_dir)
             if self.sharded else None, tokenizer=self.tokenizer, lock=lock, recipe_args=self.recipe_args,
         )  # fmt: skip
         self.profiler = None  # --profile_steps: torch's profiler over those updates (profiling.py)

@@ -89,7 +89,7 @@ def worker(args):
     import transformers  # noqa: F401 - imported before the "base" RSS is read
     from accelerate import Accelerator
 
-    from accel_trainer import sharding
+    from accel_trainer import sharding, shards
 
     plugin = sharding.fsdp_plugin()
     acc = Accelerator(cpu=True, fsdp_plugin=plugin, step_scheduler_with_optimizer=False)
@@ -110,11 +110,11 @@ def worker(args):
             ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
             loss = model(input_ids=ids, labels=ids).loss
             acc.backward(loss)
-            held = sharding.rank_state_bytes(model, optimizer)  # gradients exist now; optimizer state after step 1
+            held = shards.rank_state_bytes(model, optimizer)  # gradients exist now; optimizer state after step 1
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t0)
-    held["optimizer_bytes"] = sharding.rank_state_bytes(model, optimizer)["optimizer_bytes"]
+    held["optimizer_bytes"] = shards.rank_state_bytes(model, optimizer)["optimizer_bytes"]
     row = {
         "mode": args.mode,
         "rank": acc.process_index,

@@ -6,7 +6,8 @@ The Trainer reads `.trackers` (Accelerate's `log_with`): None for no tracker, "a
 
 import pytest
 
-from accel_trainer.args import ArgumentError, TrainingArguments
+from accel_trainer.args import TrainingArguments
+from accel_trainer.errors import ArgumentError
 from accel_trainer.flags import parse_args
 
 

@@ -22,7 +22,7 @@ import regression  # noqa: E402
 from accel_trainer import Trainer, TrainingArguments  # noqa: E402
 from accel_trainer.checkpointing.folder import CheckpointError, write_manifest  # noqa: E402
 from accel_trainer.errors import UserError  # noqa: E402
-from accel_trainer.trainer import NonFiniteLossError  # noqa: E402
+from accel_trainer.logwindow import NonFiniteLossError  # noqa: E402
 
 
 def make(out, recipe=regression, recipe_args=None, **kw):

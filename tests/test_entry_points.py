@@ -145,7 +145,7 @@ def test_the_readme_notebook_form_is_the_command_line_run(tmp_path):
 
 
 def test_an_unknown_keyword_is_named(tmp_path):
-    from accel_trainer.args import ArgumentError
+    from accel_trainer.errors import ArgumentError
 
     with pytest.raises(ArgumentError, match="learning_rat"):
         Trainer.from_recipe(load_recipe_module("regression"), output_dir=str(tmp_path), learning_rat=0.1)

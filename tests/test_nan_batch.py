@@ -17,7 +17,7 @@ import torch
 from helpers import flags, run
 
 from accel_trainer import Trainer, TrainingArguments
-from accel_trainer.trainer import NonFiniteLossError
+from accel_trainer.logwindow import NonFiniteLossError
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_recipe.py")
 B, ACCUM, SEED, POSITION = 8, 2, 7, 37  # the bad sample is the 38th of epoch 0's order: batch 4, update 3

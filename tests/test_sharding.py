@@ -32,7 +32,7 @@ from helpers import FSDP2, RECIPES, ROOT, env, free_port, last_step, launch_cmd,
 from procs import Launch
 from safetensors.torch import load_file, load_model, save_file
 
-from accel_trainer import sharding
+from accel_trainer import sharding, shards
 from accel_trainer.checkpointing import folder as ckpt_folder
 from accel_trainer.checkpointing import load as ckpt_load
 from accel_trainer.checkpointing import verify as ckpt_verify
@@ -467,7 +467,7 @@ def test_wrap_policy_and_mixed_precision_policy(monkeypatch):
         == "transformer blocks Linear (from the recipe)"
     )
     assert sharding.configure_wrapping(plugin(), mlp).startswith("size-based")  # no classes named: by size
-    with pytest.raises(sharding.ShardingError, match="no module of class GPT2Block"):
+    with pytest.raises(shards.ShardingError, match="no module of class GPT2Block"):
         sharding.configure_wrapping(plugin(**transformer), mlp, wrap=["GPT2Block"])
     # BERT's _no_split_modules names BertEmbeddings, which holds the input embedding that Accelerate makes a unit of
     # its own after the policy ran: sharding it twice failed at start-up, so only BertLayer is a block.
@@ -493,5 +493,5 @@ def test_a_batchnorm_model_not_loaded_on_every_rank_is_refused_with_the_config_f
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     acc, plugin = SimpleNamespace(process_index=1, device=torch.device("cpu")), SimpleNamespace()
-    with pytest.raises(sharding.ShardingError, match="fsdp_cpu_ram_efficient_loading: false"):
+    with pytest.raises(shards.ShardingError, match="fsdp_cpu_ram_efficient_loading: false"):
         sharding._load_from_rank0_ourselves(acc, plugin, model)

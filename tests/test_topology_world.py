@@ -196,7 +196,7 @@ def test_launched_world_is_read_from_the_launcher_environment(torchrun_env):
     torchrun_env(world=4, local=2, machines=2, group_rank=1)
     w = world.launched_world()
     assert (w.num_processes, w.num_machines, w.processes_per_machine, w.machine_rank) == (4, 2, 2, 1)
-    from accel_trainer.accel import launched_world_size
+    from accel_trainer.world import launched_world_size
 
     assert launched_world_size() == 4
 

@@ -248,7 +248,7 @@ class CheckpointManager:
             acc, self.model, self.optimizer, self.scheduler, step, self.sharded, frozen=self.frozen
         )
         if acc.is_main_process:
-            captured.small[ckpt_record.RECORD_FILE] = self.record
+            captured.small[ckpt_state.RECORD_FILE] = self.record
         path = ckpt_folder.save_checkpoint(
             acc,
             self.args.output_dir,

@@ -26,7 +26,7 @@ from .. import faults
 from ..errors import ArgumentError
 from . import codec
 from .folder import list_checkpoints
-from .state import RECORD_FILE  # noqa: F401 - its name, where the checkpoint writer keeps it
+from .state import RECORD_FILE
 
 # Arguments about this invocation, never taken from the record.
 INVOCATION = frozenset({
