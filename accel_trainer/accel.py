@@ -67,7 +67,7 @@ def configure_process(args: TrainingArguments) -> tuple[Accelerator, dict]:
     # The world this process joined must be the one the launcher/config describe (world.py): it catches every
     # process training alone in a world of 1, per-machine/total mix-ups and bad machine ranks.
     check_world(accelerator)
-    process["cpu_allocator"] = cpu_allocator.keep_freed_memory(accelerator.device.type)  # ~6% per step on a CPU
+    process["cpu_allocator"] = cpu_allocator.keep_freed_memory(accelerator.device.type)  # no page faults per step (CPU)
     process["replica_logs"] = quiet_replica(accelerator, args.log_level_replica)  # before the recipe loads anything
     return accelerator, process
 
@@ -78,7 +78,7 @@ def quiet_replica(accelerator, level: str) -> dict | None:
     warnings ignored. What every rank would print once each (a model's load report, a FutureWarning, a map's
     progress bar) is then printed once, by the main process; an error is still printed where it happens. Through
     their public functions where the library is imported, and their environment variables for an import to come
-    (neither is imported for it: `import transformers` alone costs ~0.7 s). Returns what was set (None: nothing)."""
+    (neither is imported for it: importing transformers slows every start-up). Returns what was set (None: nothing)."""
     if accelerator.is_main_process or level == "passive":
         return None
     environ = {"TRANSFORMERS_VERBOSITY": level, "DATASETS_VERBOSITY": level}
@@ -129,7 +129,7 @@ def nccl_error_handling(environ=None):
 
 # torch's Flight Recorder keeps the last N collectives each rank entered (name, sequence number, state), on gloo and
 # NCCL alike; peers.StackDumps writes them beside each rank's stack when a collective fails. Read when the process
-# group is created. 0 switches it off; measured ~20 us per collective on this project's gloo CPU runs.
+# group is created. 0 switches it off; its cost per collective is in docs/fault-tolerance.md.
 FLIGHT_RECORDER = ("TORCH_FR_BUFFER_SIZE", "2000")
 
 

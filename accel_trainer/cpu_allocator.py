@@ -4,11 +4,11 @@ Why (measured): a training step frees and allocates the same large tensors (acti
 step. glibc's malloc serves a block above its mmap threshold (128 KiB at start, moved up to 32 MiB as such blocks
 are freed) with a fresh mmap, and gives the top of its heap back to the OS above its trim threshold: either way the
 next step touches new pages, each a page fault that zeroes 4 KiB. How often depends on the process's allocation
-history, so the same loop in two processes runs at different speeds. bench/text.py's GPT-2 on one thread took
-7,000-13,000 minor faults and ~290 ms per update; with the thresholds fixed as below, 0 faults and ~273 ms (6%
-faster), in the same process. torch's own CPU launcher (`python -m torch.backends.xeon.run_cpu`) does the same
-with jemalloc and its memory decay turned off. The cost: memory the run frees stays with the process (up to its
-peak) instead of going back to the OS while it trains.
+history, so the same loop in two processes runs at different speeds. With the thresholds fixed as below, an update
+of bench/text.py's GPT-2 faults no page in and runs faster (docs/observability.md, "The CPU allocator"). torch's
+own CPU launcher (`python -m torch.backends.xeon.run_cpu`) does the same with jemalloc and its memory decay turned
+off. The cost: memory the run frees stays with the process (up to its peak) instead of going back to the OS while it
+trains.
 
 Not done where the user chose an allocator or its settings (LD_PRELOAD of jemalloc/tcmalloc/mimalloc, MALLOC_*_
 variables, GLIBC_TUNABLES), off glibc, for a GPU run (its tensors are not in malloc), or with

@@ -81,8 +81,8 @@ def _add_field(parser: argparse.ArgumentParser, f: Field, hint) -> None:
     """One dataclass field as flags, as transformers.HfArgumentParser adds it: --name and --name-with-hyphens;
     Optional[X] parses as X and a union with str (report_to) as str; bool takes an optional true/false and a
     field that defaults to True also gets --no_name; Literal and Enum give choices; list[X] takes one or more.
-    Our own (~40 lines) because `import transformers` alone costs ~0.7 s of every run's start-up
-    (bench/startup.py), more than everything else we import over torch."""
+    Our own because `import transformers` alone costs more of every run's start-up than everything else we import
+    over torch (docs/benchmarks.md, "Choices the numbers decided")."""
     kwargs = {k: v for k, v in f.metadata.items() if k != "aliases"}
     aliases = f.metadata.get("aliases", [])
     names = _option_names(f.name)

@@ -100,7 +100,7 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
                 generator=torch.Generator().manual_seed(args.seed),
             ),
             # On a CPU the batches are where they are used: without this, Accelerate walks every batch to move
-            # each tensor to the CPU it is on (~3 us per batch of two tensors, timed on prepared loaders alone).
+            # each tensor to the CPU it is on, a cost per batch (docs/benchmarks.md, "Choices the numbers decided").
             device_placement=accelerator.device.type != "cpu",
         )
 
@@ -166,9 +166,9 @@ def train_sampler(dataset, seed: int) -> DistributedSampler:
     of (seed, epoch) alone, so a resumed run reads what the uninterrupted one did. It is the order of Accelerate's
     SeedableRandomSampler with data_seed = --seed (a test compares them). torch's DistributedSampler over one
     replica gives it: the whole permutation on every rank, which Accelerate then shards batch by batch, the same on
-    any world size. Why not Accelerate's sampler: it yields each index through two Python generators, ~0.1 us per
-    sample in the training process (~7 us per batch of 64, timed on prepared loaders alone); this one hands out a
-    list iterator."""
+    any world size. Why not Accelerate's sampler: it yields each index through two Python generators, a cost per
+    sample in the training process (docs/benchmarks.md, "Choices the numbers decided"); this one hands out a list
+    iterator."""
     return DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
 
 

@@ -41,10 +41,10 @@ def default_optimizer(
 
 def fused_adamw_supported(params: list, device: torch.device) -> bool:
     """Fused AdamW (one kernel for all tensors) where torch has it for the training device and these dtypes, as
-    transformers' Trainer defaults to: on one CPU thread it steps bench/text.py's GPT-2 in 0.72 ms instead of the
-    per-tensor loop's 2.92 ms (torch picks that loop by default on a CPU, and foreach on a GPU). Decided by the
-    training device, not by where the parameters are now: under FSDP's low-memory loading they are on the meta
-    device on every rank but 0, and every rank must build the same optimizer."""
+    transformers' Trainer defaults to: on one CPU thread it steps bench/text.py's GPT-2 several times faster
+    than the per-tensor loop (docs/benchmarks.md; torch picks that loop by default on a CPU, foreach on a GPU).
+    Decided by the training device, not by where the parameters are now: under FSDP's low-memory loading they are
+    on the meta device on every rank but 0, and every rank must build the same optimizer."""
     supported = torch.device(device).type in privates.fused_optimizer_device_types()
     return supported and all(p.is_floating_point() for p in params)  # not complex ones
 
@@ -63,7 +63,7 @@ def default_scheduler(optimizer, num_training_steps: int, args: TrainingArgument
     """--lr_scheduler_type with warm-up, as `transformers.get_scheduler` builds it. The default ("linear") and
     "constant" are built here with the same formulas and the same LambdaLR (a partial, so the state_dict is the
     same and a checkpoint of either loads into the other; tests/test_args_parser.py compares them step by step),
-    because `import transformers` costs ~0.7 s of start-up (bench/startup.py). Other names: transformers."""
+    because `import transformers` slows start-up (docs/benchmarks.md). Other names: transformers."""
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * num_training_steps)
     if args.lr_scheduler_type == "linear":
         lr_lambda = functools.partial(

@@ -1,8 +1,9 @@
 """Which mixed precision a device runs fast, asked of torch at run time: the one place where a default precision
 is chosen from the hardware (recipes/cifar.py's presets, the wizard's offer, the fp8 check of build_accelerator).
 
-Never from what the machine that wrote the code had: a preset tuned on a CPU with AVX512-BF16 ran 10x slower in
-bf16 on an AVX2-only CPU, which has no bf16 arithmetic (oneDNN converts every value to fp32 and back).
+Never from what the machine that wrote the code had: a preset tuned on a CPU with AVX512-BF16 ran many times
+slower in bf16 on an AVX2-only CPU (docs/cifar.md), which has no bf16 arithmetic (oneDNN converts every value to
+fp32 and back).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _check_hooks(trainer, batch) -> str | None:
     """Raise RecipeError for the first hook that breaks the contract; return the bare-loss note, if any."""
     # The eager module, not the compiled one: under --torch_compile a train-mode forward under no_grad and an eval
     # forward at the train batch size are graphs the run never uses, each compiled for the check alone (seen on an
-    # H100: 2 of the CIFAR run's recompiles, ~10 s each). The outputs' types and shapes are the same.
+    # H100: 2 of the CIFAR run's recompiles; docs/cifar.md). The outputs' types and shapes are the same.
     recipe = trainer.recipe
     # Not under FSDP: there the module under the compile wrapper ran without gathering its shards ("got mixed
     # torch.Tensor and DTensor", seen with Accelerate 1.15), so a sharded run checks through the compiled one.

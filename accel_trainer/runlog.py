@@ -72,7 +72,7 @@ class Reporter:
         event.update({k: _json_safe(v) for k, v in metrics.items()})
         if self.is_main:
             # One write() of the whole line on a descriptor kept open (O_APPEND): a reader never sees half a row,
-            # and no open/close per row (~25 us each; bench/overhead.py's log rows).
+            # and no open/close per row (a cost bench/overhead.py's log rows showed).
             if self._metrics_fd is None:
                 self._metrics_fd = os.open(
                     self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644

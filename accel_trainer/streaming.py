@@ -36,7 +36,7 @@ def is_iterable_dataset(dataset) -> bool:
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return True
     # Only if `datasets` is already imported: a dataset cannot be one of its classes otherwise, and importing it
-    # here cost ~0.5-0.9 s of every run's start-up (bench/startup.py).
+    # here would slow every run's start-up (docs/benchmarks.md, "Choices the numbers decided").
     datasets = sys.modules.get("datasets")
     if datasets is not None and isinstance(dataset, datasets.IterableDataset):
         return True

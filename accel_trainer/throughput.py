@@ -104,8 +104,8 @@ _proc_fds: dict = {}  # (pid, name) -> an fd on /proc/self/<name>, opened once p
 
 
 def _proc(name: str, flags: int) -> int:
-    # Kept open: opening /proc/self/status and clear_refs on every log row cost ~150 us a row (bench/overhead.py),
-    # a read or write on an open fd a few. Keyed by pid: a forked child's "self" is not its parent's.
+    # Kept open: opening /proc/self/status and clear_refs on every log row was a cost bench/overhead.py showed;
+    # a read or write on an open fd costs far less. Keyed by pid: a forked child's "self" is not its parent's.
     key = (os.getpid(), name)
     if key not in _proc_fds:
         _proc_fds[key] = os.open(f"/proc/self/{name}", flags | os.O_CLOEXEC)
@@ -194,7 +194,7 @@ class Meter:
 
     def updated(self, samples: int, items):
         # A list append, not a running tensor sum: one tensor op (or a tensor built from an int) per update would
-        # cost more than the rest of this class together (measured: ~35 us for torch.tensor() on a CPU).
+        # cost more than the rest of this class together (docs/benchmarks.md, "Choices the numbers decided").
         self.updates += 1
         self.samples += samples
         if isinstance(items, torch.Tensor):
@@ -226,7 +226,7 @@ class Meter:
                  mfu]  # fmt: skip
         if acc.num_processes > 1:
             ranks = acc.gather(torch.tensor([local], dtype=torch.float64, device=acc.device)).cpu().tolist()
-        else:  # no tensors to build on one process (~40 us a row; bench/overhead.py)
+        else:  # no tensors to build on one process (a cost per row in bench/overhead.py)
             ranks = [local]
         columns = list(zip(*ranks))
         # The ranks' windows differ a little (each times its own); the job goes at its slowest rank's pace, so

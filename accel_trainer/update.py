@@ -17,8 +17,8 @@ compressing comm hook (fp16) needs. The item count N of this global batch is all
 meanwhile; after the backward the gradients are multiplied by K x world_size / N: the mean over all N items. With
 the same counts as the previous update (fixed-size batches, the usual case) that factor is exactly 1 and nothing
 is multiplied. So DDP runs its own all-reduce, with no Python comm hook, and nothing waits in the middle of the
-backward (bench/scaling.py: the 2-process step went from 1.5-3% slower than a hand-written DDP loop's to 0-2%;
-docs/observability.md). The first update of a run (no previous count) waits for N before its backward; K is saved
+backward (a hook that waited there made the 2-process step slower than a hand-written DDP loop's:
+docs/benchmarks.md). The first update of a run (no previous count) waits for N before its backward; K is saved
 in checkpoints (`state` / `load`), so a resumed run scales as the uninterrupted one did (bit-identical). Under FSDP
 the scaling comes after the last backward. With one process and no accumulation the mean loss is already that, and
 we skip the bookkeeping (no cost over a plain loop).
@@ -40,7 +40,7 @@ from . import privates
 from .micro_batch import Agreed, MicroBatches, sample_count
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
-# Accelerate's per-step wrappers (which cost ~0.6 ms/step on a small model, mostly a package lookup).
+# Accelerate's per-step wrappers (which add a package lookup per step: docs/benchmarks.md, "Cost per update").
 _PLAIN_TORCH_TYPES = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 
 
@@ -142,7 +142,7 @@ class Updater:
                         self.micro_losses.append(detached)  # which micro-batch was not finite, read only if one was
                     if not by_items:  # one micro-batch on one process: its mean is the update's, as it is
                         self._backward(loss)
-                        loss_sum, n_sum = detached, n  # no kernels to weigh it (~10 us per update)
+                        loss_sum, n_sum = detached, n  # no kernels to weigh it: they cost time on every update
                         continue
                     weighted = detached * n
                     loss_sum = weighted if loss_sum is None else loss_sum + weighted  # no `0.0 +` kernel
@@ -177,7 +177,7 @@ class Updater:
         if not self.plain_torch:  # FSDP's DTensor-aware clipping is Accelerate's
             return self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
         # What Accelerate does on these types (unscale, then torch's clip), called directly: its clip_grad_norm_
-        # parses torch's version string on every call: ~10-14 us per update on bench/overhead.py's MLP (timeit).
+        # parses torch's version string on every call (docs/benchmarks.md, "Choices the numbers decided").
         if self.accelerator.scaler is not None:
             self.accelerator.scaler.unscale_(self.inner_opt)
         return torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)

@@ -110,8 +110,8 @@ class AsyncWriter:
 
         # A stager per checkpoint, closed once it has staged: torch 2.11's and 2.12's close themselves at the end of
         # stage(), so a kept one failed at the second checkpoint (KeyError: <class 'type'>; seen with 2.11 on an
-        # H100, then on a CPU). 2.13's would keep its host copies for the next checkpoint (~3x faster to stage on a
-        # CPU: docs/cifar.md); this gives that up, and frees the copies between checkpoints instead.
+        # H100, then on a CPU). 2.13's would keep its host copies for the next checkpoint (faster to stage on a
+        # CPU: docs/fault-tolerance.md); this gives that up, and frees the copies between checkpoints instead.
         gpu = torch.cuda.is_available()  # pinned memory and non-blocking copies need one
         options = StagingOptions(
             use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
