@@ -289,9 +289,8 @@ def _token_losses(model, batch):
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     targets = batch["labels"][:, 1:]  # position t predicts token t+1; -100 = padding, not a target
     # Rows of (tokens, vocabulary), not (batch, vocabulary, positions): torch's softmax over a dimension that is
-    # not the last one is ~2x slower for the whole loss (17 vs 8 ms forward+backward at 16 x 128 tokens x 1000
-    # words on one CPU thread; 5% of bench/text.py's update). float(): the softmax in fp32 even under mixed
-    # precision. Ignored positions give 0.
+    # not the last one is slower for the whole loss (docs/benchmarks.md, "Causal-LM tokens/s"). float(): the
+    # softmax in fp32 even under mixed precision. Ignored positions give 0.
     per_token = F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100, reduction="none"
     ).view(targets.shape)

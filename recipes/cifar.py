@@ -1,7 +1,7 @@
 """CIFAR-10 at speed-record pace, through the Trainer: the airbench94 method (Jordan 2024, arXiv:2404.00498).
 
     python recipes/cifar.py --dataset ../shared/data/cifar10              # default preset: airbench94, for a GPU
-    python recipes/cifar.py --preset small --dataset ../shared/data/cifar10   # 2-core bf16 CPU: 90% (TTA) in 4.5 min
+    python recipes/cifar.py --preset small --dataset ../shared/data/cifar10   # a 2-core CPU (docs/cifar.md)
     accelerate launch recipes/cifar.py ...                                 # any number of processes, same flags
 
 What makes it fast (each line is an airbench94 ingredient; see docs/cifar.md for measurements):
@@ -25,9 +25,8 @@ import sys
 from dataclasses import dataclass, field
 
 # On a CPU shared with other processes, OpenMP threads that spin while waiting for each other waste the cores
-# the other processes need (measured here at load 8: a 2-thread train step 1.3x faster with passive waiting);
-# on an idle machine it costs nothing (measured: 23 vs 26 s/epoch). Must be set before torch loads OpenMP;
-# an explicit OMP_WAIT_POLICY wins.
+# the other processes need: passive waiting is faster under load and no slower on an idle machine (docs/cifar.md).
+# Must be set before torch loads OpenMP; an explicit OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
@@ -45,7 +44,7 @@ name = "cifar"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Presets: one line per knob that differs. Anything given on the command line wins.
-# "default" is airbench94 (94.0% mean on an A100 in 3.83 s); "small" is for a 2-core CPU (see docs/cifar.md).
+# "default" is airbench94, for a GPU; "small" is for a 2-core CPU (their results: docs/cifar.md).
 # Mixed precision is no preset's knob: unless given, it is what the device runs fast (configure below).
 
 PRESETS = {
@@ -56,11 +55,11 @@ PRESETS = {
         num_train_epochs=9.9,  # passes over the 50k train images (airbench94: 9.9)
     ),
     "small": dict(  # for a 2-core CPU (AMD EPYC Zen 4 with AVX512-BF16 here); measurements in docs/cifar.md
-        widths="32,64,128",  # the 31x31 first block dominates CPU time: narrow (30 s/epoch idle in bf16); 16 wide
-        # took 19-20 s/epoch but stopped ~1.2 points short of 90% with TTA
+        widths="32,64,128",  # the 31x31 first block dominates CPU time: narrow; 16 wide was faster but stopped
+        # short of 90% with TTA
         batch_size=512,  # more steps per epoch than 1024 suit a net this small
         eval_batch_size=1000,
-        num_train_epochs=8,  # seed 0: 89.5% (90.4% with TTA) in 270 s on an idle 2-core AVX512-BF16 CPU
+        num_train_epochs=8,  # enough for 90% with TTA in the time the goal allows (docs/cifar.md)
     ),
 }
 
@@ -159,7 +158,7 @@ def configure(ctx):
         targs.num_train_epochs = preset["num_train_epochs"]
     if targs.mixed_precision is None and not os.environ.get("ACCELERATE_MIXED_PRECISION"):
         # What this device runs fast, asked of torch (bf16 on an Ampere+ GPU or a CPU with AVX512-BF16/AMX, fp32 on
-        # an AVX2 CPU, where bf16 convs were measured 10x slower): see accel_trainer/precision.py.
+        # an AVX2 CPU, where bf16 convs are far slower): see accel_trainer/precision.py.
         targs.mixed_precision = fast_mixed_precision(training_device(targs.use_cpu))
     for key, flag in (("batch_size", "per_device_train_batch_size"), ("eval_batch_size", "per_device_eval_batch_size")):
         if getattr(args, key) % ctx.world_size:
