@@ -1,6 +1,6 @@
 """How long does a checkpoint stop training, synchronous vs --save_async? A ~100M-parameter GPT-2 (bench/memory.py's
-build_model: 12 layers, width 768, vocab 16384; AdamW fp32, so ~1.3 GB per checkpoint) trained by the Trainer on
-random tokens, one process, a checkpoint every --every updates; three runs in one invocation:
+build_model: 12 layers, width 768, vocab 16384; AdamW fp32; its size on disk in docs/benchmarks.md) trained by
+the Trainer on random tokens, one process, a checkpoint every --every updates; three runs in one invocation:
 
   none    --save_steps 0 (the final checkpoint is off too)
   sync    --save_steps N

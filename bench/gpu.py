@@ -444,7 +444,7 @@ def check_overhead(s: Suite) -> dict:
 
 # A dropped Trainer's GPU memory is back when the next seed starts: what the process holds then may exceed what the
 # first seed found by the allocator's rounding and cuDNN/cuBLAS workspaces, not by a model, its optimizer and the
-# device-resident CIFAR (~1 GB: the H100 run of 2026-11-26 grew 1434 -> 1832 MB over 5 seeds before the fix).
+# device-resident CIFAR (the first H100 run grew by about that much over 5 seeds before the fix: docs/cifar.md).
 HELD_SLACK_MB = 64
 
 

@@ -26,7 +26,7 @@ ends after a device sync. From the same run it also prints:
                   torch.accelerator.max_memory_allocated; on a CPU, which has no allocator statistics, the peak
                   resident memory (sampled every 0.5 ms) above the resident memory before the model is built,
                   in a second run after a first one of 5 updates on an 8-wide MLP (so that
-                  neither counts its lazy imports, e.g. torch._dynamo's ~80 MB at the first optimizer, and the
+                  neither counts its lazy imports, e.g. torch._dynamo's at the first optimizer, and the
                   second cannot reuse the first's freed memory), both with glibc's own malloc thresholds
                   (ACCEL_TRAINER_CPU_MALLOC=0). Goal: defaults <= 1.05x.
 
@@ -38,8 +38,8 @@ ends after a device sync. From the same run it also prints:
 --instructions counts, instead of timing, the CPU instructions of 100 updates of plain, trainer, plain+ and defaults
 (after 10 updates of warm-up), each row in its own process under valgrind's callgrind, started and stopped by
 client requests at update ends (a 2-function C helper built with gcc). A count does not move with the machine's
-speed: on this project's noisy VMs the width-512 times move +-4% between rounds, more than the 1% to resolve. tqdm
-redraws on a timer, which valgrind's ~50x slower clock would multiply: the rows run with TQDM_MININTERVAL=1e9 (the
+speed: on this project's noisy VMs the width-512 times move between rounds by more than the 1% to resolve. tqdm
+redraws on a timer, which valgrind's much slower clock would multiply: the rows run with TQDM_MININTERVAL=1e9 (the
 bar is redrawn by each log row's write only). Needs valgrind (with its headers) and gcc; user-space instructions only.
 At the default width 512 the kernels run under valgrind too (over 5 minutes a row here), and valgrind's CPU has no
 AVX-512, so their instructions are not this CPU's: --width 1 is the measure of the loops' own cost.
@@ -80,7 +80,7 @@ CPU = False  # --cpu
 ON_UPDATE = None  # --instructions' child: called with the update count after each update (plain loops and Trainer)
 WIDTH = 512  # hidden width; the memory runs use MEMORY_WIDTH
 MEMORY_WIDTH, MEMORY_STEPS = 4096, 30  # 17 M parameters: ~270 MB of weights, gradients and AdamW state, so that
-# the comparison is of what the loops keep, not of malloc's few-MB noise (5-11 MB between runs at width 512)
+# the comparison is of what the loops keep, not of malloc's few-MB noise between runs at width 512
 
 
 def sync(device):
@@ -199,7 +199,7 @@ def trainer(steps: int, user: bool = False):
         if ON_UPDATE is not None:
             t.on("update_end", lambda trainer: ON_UPDATE(trainer.global_step))
         t0 = clock()
-        t.fit()  # includes one final log line and writing model.safetensors (~1 ms in all)
+        t.fit()  # includes one final log line and writing model.safetensors (small against the steps timed)
         return per_step(t0, steps), t.accelerator.unwrap_model(t.model)
 
 
@@ -268,11 +268,11 @@ def _measure_memory(name: str, steps: int):
         return
 
     WIDTH = 8  # a tiny model for the first run: its freed blocks are not there for the measured run to reuse
-    run(name, 5)  # first-call costs (lazy imports: torch._dynamo at the optimizer, ~80 MB) are not the loop's
+    run(name, 5)  # first-call costs (lazy imports: torch._dynamo at the optimizer) are not the loop's
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap memory goes back to the OS: not reused unseen
     # The peak resident memory, sampled every 0.5 ms by a thread. Not VmHWM after clear_refs: in this child it gave
-    # the Trainer's row 226-241 MB where the sampler saw 436 (the plain loop's: 435); why, is not known.
+    # the Trainer's row far less than the sampler saw (docs/benchmarks.md); why, is not known.
     page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
     peak, done = [0.0], threading.Event()
 

@@ -22,7 +22,7 @@ median over those intervals. Ratios: DDP / 1 proc (the goal is >= 1.8 on 2 cores
 ceiling), DDP / alone, and the Trainer's step over the hand-written loop's on 1 and 2 processes (goal <= 1.02).
 The runs of a round go in an order that rotates by one each round; the Trainer's and the hand-written loop's
 2-process runs go back to back (which first alternates), and the median of their per-round ratios is printed too
-("paired"): this VM's throughput drifts by 5-15% between rounds, more than the 2% to resolve.
+("paired"): this VM's throughput drifts between rounds by more than the 2% to resolve (docs/benchmarks.md).
 
 Where the DDP time goes, measured in a hand-written DDP loop on the same model, batch and optimizer (gloo, 2
 processes, 1 thread each), per update:
