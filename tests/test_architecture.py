@@ -8,9 +8,12 @@ Modules are named by their dotted path below accel_trainer/ (`trainer`, `cluster
 """
 
 import ast
+import io
 import os
+import re
 import subprocess
 import sys
+import tokenize
 
 from helpers import ROOT, env
 
@@ -237,6 +240,86 @@ def test_the_module_graph_in_the_docs_is_the_code_s():
     assert shown == generated_block(), (
         "docs/architecture.md's module graph is stale: run python tests/test_architecture.py"
     )
+
+
+# Comments say why; the numbers live in the docs (docs/benchmarks.md, each with its command and machine), where
+# they are kept current. A figure with a unit in a comment or docstring of the package (~0.6 ms/step, 1.5-3%,
+# 10x, ~0.7 s, 150 MB) is a measurement that drifts from them. A figure that is no measurement (a library's
+# default, a setting of ours, arithmetic) is listed here, by file, with why.
+NOT_MEASURED = {
+    "cluster/cluster_config.py": {
+        "900 s": "torchrun's static rendezvous timeout, the default we bound tighter",
+        "600 s": "torchrun's c10d join_timeout default",
+        "60 s": "torchrun's c10d read_timeout default",
+    },
+    "cluster/launch.py": {"30 min": "torch's timeout for a process group created without one"},
+    "peers.py": {"30 min": "torch's timeout for a process group created without one"},
+    "cpu_allocator.py": {
+        "128 KiB": "glibc's mmap threshold at start",
+        "32 MiB": "glibc's largest mmap threshold",
+        "4 KiB": "a page",
+    },
+    "checkpointing/state.py": {"8 bytes": "an 8-byte element viewed as two int32s"},
+    "checkpointing/folder.py": {"1 MiB": "our floor for the room a write needs"},
+    "flags.py": {"30%": "an example of a help text"},
+}
+_NUMBER = r"(?<![\w.])~?\d+(?:[.,]\d+)*(?:\s*[-–]\s*~?\d+(?:[.,]\d+)*)?"
+FIGURE = re.compile(
+    _NUMBER + r"(?:\s?(?:ns|us|µs|ms|s|sec|seconds?|min|minutes?|hours?)\b|\s[KMGT]i?B\b|\sbytes?\b|%|x\b)"
+)
+
+
+def comment_lines(source: str):
+    """(line number, text) of every comment and every docstring line."""
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            if ast.get_docstring(node, clean=False) is not None:
+                doc = node.body[0]
+                yield from enumerate(doc.value.value.splitlines(), start=doc.lineno)
+
+
+def figures(source: str) -> list[tuple[int, str]]:
+    """(line number, figure) of every figure with a unit in the comments and docstrings of `source`."""
+    return sorted((n, m.group(0)) for n, line in comment_lines(source) for m in FIGURE.finditer(line))
+
+
+def test_the_figure_finder_finds_measurements_and_passes_what_is_not_one():
+    found = figures(
+        '"""Costs ~0.7 s of start-up,\nthe step 1.5-3% slower."""\n'
+        "x = 1  # ~0.6 ms/step on a small model\n"
+        "y = 2  # 10x slower in bf16; 150 MB for train; 8 bytes; 30 min\n"
+        "def f():\n    # 2x2 conv, 16 x 128 tokens, 169.254.x, step 3, A100-SXM4-80GB, issue #135712, 3 steps\n    pass\n"
+    )
+    assert found == [
+        (1, "~0.7 s"),
+        (2, "1.5-3%"),
+        (3, "~0.6 ms"),
+        (4, "10x"),
+        (4, "150 MB"),
+        (4, "30 min"),
+        (4, "8 bytes"),
+    ]
+
+
+def test_no_measurement_in_the_package_s_comments():
+    found, listed = {}, set()
+    for path in modules().values():
+        name = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        with open(path) as f:
+            for n, figure in figures(f.read()):
+                if figure in NOT_MEASURED.get(name, {}):
+                    listed.add((name, figure))
+                else:
+                    found.setdefault(f"accel_trainer/{name}:{n}", []).append(figure)
+    assert not found, (
+        f"figures in comments or docstrings: {found}. Say why in the comment and put the figure in docs/benchmarks.md "
+        "(or the page about it) with its command and machine; a figure that is no measurement goes in NOT_MEASURED."
+    )
+    stale = {(name, figure) for name, why in NOT_MEASURED.items() for figure in why} - listed
+    assert not stale, f"NOT_MEASURED lists figures no longer in those files: {sorted(stale)}"
 
 
 if __name__ == "__main__":
