@@ -33,9 +33,9 @@ import torch
 def host_floats(values: list) -> list[float]:
     """Scalars (one-element tensors, or numbers) as Python floats: on an accelerator with one stack and one copy to
     the host (a copy per value would sync the host once per value); on a CPU one float() each, which is cheaper
-    than the stack. Why not tensor ops: each costs more CPU than the row's Python. For the 10 losses and 10 gradient
-    norms of a log row, the type checks, stack, finiteness test and mean as tensors took ~220K instructions
-    (callgrind); a float() each and arithmetic on the list take ~60K."""
+    than the stack. Why not tensor ops: each costs more CPU than the row's Python. For the losses and gradient norms of
+    a log row, the type checks, stack, finiteness test and mean as tensors took several times the instructions of a
+    float() each and arithmetic on the list (callgrind; docs/benchmarks.md, "Choices the numbers decided")."""
     if values and isinstance(values[0], torch.Tensor) and values[0].device.type != "cpu":
         return stacked_floats(values)
     return [float(v) for v in values]

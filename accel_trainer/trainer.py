@@ -360,8 +360,8 @@ class Trainer:
             return None
         metrics.update(self.meter.row())  # throughput, step time, data wait, memory (mfu): a gather on N ranks
         if progress_bar is not None and not progress_bar.disable:
-            # What set_postfix(loss=..., samples_s=...) shows, without its OrderedDict and number checks (~20K CPU
-            # instructions a row, callgrind); no refresh of its own: the row's progress_bar.write redraws the bar.
+            # What set_postfix(loss=..., samples_s=...) shows, without its OrderedDict and number checks (a cost per
+            # row callgrind showed: docs/benchmarks.md); no refresh of its own: the row's progress_bar.write redraws it.
             progress_bar.set_postfix_str(
                 f"loss={metrics['loss']:.4g}, samples_s={metrics['samples_per_second']:.4g}", refresh=False
             )

@@ -244,7 +244,7 @@ def test_the_module_graph_in_the_docs_is_the_code_s():
 
 # Comments say why; the numbers live in the docs (docs/benchmarks.md, each with its command and machine), where
 # they are kept current. A figure with a unit in a comment or docstring of the package (~0.6 ms/step, 1.5-3%,
-# 10x, ~0.7 s, 150 MB) is a measurement that drifts from them. A figure that is no measurement (a library's
+# 10x, ~0.7 s, 150 MB, 20K instructions) is a measurement that drifts from them. A figure that is no measurement (a library's
 # default, a setting of ours, arithmetic) is listed here, by file, with why.
 NOT_MEASURED = {
     "cluster/cluster_config.py": {
@@ -265,7 +265,8 @@ NOT_MEASURED = {
 }
 _NUMBER = r"(?<![\w.])~?\d+(?:[.,]\d+)*(?:\s*[-–]\s*~?\d+(?:[.,]\d+)*)?"
 FIGURE = re.compile(
-    _NUMBER + r"(?:\s?(?:ns|us|µs|ms|s|sec|seconds?|min|minutes?|hours?)\b|\s[KMGT]i?B\b|\sbytes?\b|%|x\b)"
+    _NUMBER
+    + r"(?:\s?(?:ns|us|µs|ms|s|sec|seconds?|min|minutes?|hours?)\b|\s[KMGT]i?B\b|\sbytes?\b|[KM]?\sinstructions\b|%|x\b)"
 )
 
 
@@ -290,7 +291,7 @@ def test_the_figure_finder_finds_measurements_and_passes_what_is_not_one():
     found = figures(
         '"""Costs ~0.7 s of start-up,\nthe step 1.5-3% slower."""\n'
         "x = 1  # ~0.6 ms/step on a small model\n"
-        "y = 2  # 10x slower in bf16; 150 MB for train; 8 bytes; 30 min\n"
+        "y = 2  # 10x slower in bf16; 150 MB for train; 8 bytes; 30 min; ~20K instructions a row\n"
         "def f():\n    # 2x2 conv, 16 x 128 tokens, 169.254.x, step 3, A100-SXM4-80GB, issue #135712, 3 steps\n    pass\n"
     )
     assert found == [
@@ -301,6 +302,7 @@ def test_the_figure_finder_finds_measurements_and_passes_what_is_not_one():
         (4, "150 MB"),
         (4, "30 min"),
         (4, "8 bytes"),
+        (4, "~20K instructions"),
     ]
 
 
