@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
 
 from . import privates
 from .checkpointing.folder import write_file_atomically
@@ -93,15 +93,9 @@ def rank_state_bytes(model, optimizer=None) -> dict:
 
 def rank_holdings(accelerator, model, optimizer=None, sharding_info: dict | None = None) -> list[dict]:
     """rank_state_bytes of every rank (with prepare_sharded's sharding info), in rank order, on every rank:
-    for run_config.json. Collective with several processes: every rank calls it."""
+    for run_config.json. Collective with several processes (Accelerate's gather_object): every rank calls it."""
     mine = rank_state_bytes(model, optimizer) | (sharding_info or {})
-    if accelerator.num_processes == 1:
-        return [mine]
-    import torch.distributed as dist
-
-    out = [None] * accelerator.num_processes
-    dist.all_gather_object(out, mine)
-    return out
+    return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
 
 
 # ---------------------------------------------------------------------------------------------------- refusals
