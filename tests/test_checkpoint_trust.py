@@ -897,10 +897,12 @@ def _mount(ctx: Ctx, how: str) -> str | None:
     if how == "full":
         fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
         try:
-            while True:
-                os.write(fd, b"\0" * 65536)
-        except OSError:
-            pass
+            for size in (65536, 4096, 1):  # to the last byte: a write that fails leaves what it did not take
+                try:
+                    while True:
+                        os.write(fd, b"\0" * size)
+                except OSError:
+                    pass
         finally:
             os.close(fd)
     else:
