@@ -862,7 +862,8 @@ def named_strings(ctx: Ctx, named) -> list:
 
 def refusal_problems(kind: str, ctx: Ctx, named: list, rc, log: str) -> list[str]:
     """The promise for one resume: bounded, exit 1, one `error:` line (every rank the same) naming `named` (each
-    entry a string, or a tuple of alternatives), no traceback from a process of the run, the marker never made."""
+    entry a string, or a tuple of alternatives), no traceback from a process of the run, no rank saying it resumed,
+    the marker never made."""
     problems = []
     if ctx.marker.exists():
         return ["THE PAYLOAD RAN"]
@@ -872,8 +873,11 @@ def refusal_problems(kind: str, ctx: Ctx, named: list, rc, log: str) -> list[str
     # under accelerate launch its launcher then prints torch elastic's report of the failed workers: a
     # ChildFailedError traceback of accelerate's, not ours
     traceback = re.compile(r"^Traceback" if kind == "1" else r"^\[rank\d+\]: Traceback", re.M)
-    if rc != 1 or len(errors) != 1 or traceback.search(log):
-        problems.append(f"exit {rc}, error lines {errors}, traceback {bool(traceback.search(log))}")
+    resumed = "Resumed from" in log  # a refused resume must not say it resumed (on any rank)
+    if rc != 1 or len(errors) != 1 or traceback.search(log) or resumed:
+        problems.append(
+            f"exit {rc}, error lines {errors}, traceback {bool(traceback.search(log))}, said resumed {resumed}"
+        )
     else:
         for n in named:
             alternatives = n if isinstance(n, tuple) else (n,)  # an alternative: a string, or a tuple of all of
