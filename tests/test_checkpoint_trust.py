@@ -899,6 +899,9 @@ def _mount(ctx: Ctx, how: str) -> str | None:
     shutil.copytree(ctx.out, disk / "run")
     ctx.out = disk / "run"
     if how == "full":
+        # the run's folder copied without its dot files (cp -r out/* ...): the lock file is created anew. (With the
+        # old one there, its page is reused and the disk fills only at the next checkpoint, one line on 1 process.)
+        os.remove(ctx.out / ".accel-trainer.lock")
         fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
         try:
             for size in (65536, 4096, 1):  # to the last byte: a write that fails leaves what it did not take
