@@ -89,8 +89,12 @@ def build_model(ctx):
     )
     try:
         return peft.get_peft_model(base, config)  # the base's parameters frozen, the adapter's trainable
-    except ValueError as e:  # no default target modules for this architecture, or a name that matches nothing
-        raise UserError(f"LoRA on {args.model_name_or_path}: {e} Pass --lora_target_modules.") from None
+    except ValueError as e:  # no default target modules for this architecture, or names that match no module
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise UserError(
+            f"LoRA on {args.model_name_or_path}: {str(e).split('. ')[0].rstrip('.')}. Pass "
+            f"--lora_target_modules names of its linear layers ({','.join(linear)}) or all-linear."
+        ) from None
 
 
 def build_data(ctx):

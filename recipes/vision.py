@@ -5,8 +5,8 @@
     accelerate launch recipes/vision.py ...        # any number of processes, same flags
 
 The data goes through `datasets` as it is stored (PIL images); the model's own image processor (resize, rescale,
-normalise) turns each batch into pixel values when it is read (`with_transform`), with a random horizontal flip
-for training. The classification head is new, with the dataset's class names. The processor is handed to the
+normalise) turns each batch into pixel values when it is read (`with_transform`); `loss` mirrors about half of the
+training images. The classification head is new, with the dataset's class names. The processor is handed to the
 Trainer as build_data's "tokenizer": the output folder is a save_pretrained folder with it, so that
 `AutoModelForImageClassification.from_pretrained(output_dir)` and
 `pipeline("image-classification", model=output_dir)` load it as written.
@@ -105,16 +105,19 @@ def build_data(ctx):
 
 
 def preprocess(batch, processor, image, label, flip):
-    """The rows datasets reads (a batch of them: PIL images and class ids) -> pixel values and labels."""
+    """The rows datasets reads (a batch of them: PIL images and class ids) -> pixel values, labels, and whether
+    `loss` may mirror the image (the training split with --horizontal_flip)."""
     pixels = processor([im.convert("RGB") for im in batch[image]], return_tensors="pt")["pixel_values"]
-    if flip:  # the loader's random numbers: checkpointed with each rank's RNG state, so a resume draws the same
-        mirrored = torch.rand(len(pixels)) < 0.5
-        pixels[mirrored] = pixels[mirrored].flip(-1)
-    return {"pixel_values": pixels, "labels": torch.tensor(batch[label])}
+    return {"pixel_values": pixels, "labels": torch.tensor(batch[label]), "flip": torch.full((len(pixels),), flip)}
 
 
 def loss(model, batch):
-    return model(**batch).loss, len(batch["labels"])  # cross-entropy, the mean over the batch's images
+    pixels = batch["pixel_values"]
+    # The coin is tossed here, not in preprocess: the loader reads a batch ahead of the update that trains on it, so
+    # a toss there would come before the checkpoint that holds the generator, and a resumed run would toss again.
+    mirror = batch["flip"] & (torch.rand(len(pixels), device=pixels.device) < 0.5)
+    pixels = torch.where(mirror[:, None, None, None], pixels.flip(-1), pixels)
+    return model(pixel_values=pixels, labels=batch["labels"]).loss, len(batch["labels"])  # the mean over the images
 
 
 def eval_step(model, batch):

@@ -12,6 +12,7 @@ shared by the tests (module fixture) and started together: 1 and 2 processes of 
 import json
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from helpers import RECIPES, flags, launch_cmd, metrics, run_config
 from procs import Launch
 from safetensors.torch import load_file
 from text_fixtures import ctx, load_recipe_module, make_glue_folder, make_tiny_bert, offline_env
+
+from accel_trainer import Trainer, UserError
 
 DEADLINE = 420  # seconds one launch may take on a loaded 2-core machine (they take about 10 s alone)
 # 12 updates of a global batch of 8 (8 x 1 process, 4 x 2), a checkpoint every 4, fp32 (the exact-resume promise),
@@ -156,6 +159,19 @@ def test_lora_on_two_processes_trains_the_one_process_adapter(runs):
         torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_lora_target_modules_that_match_nothing_are_one_line_naming_the_flag(assets):
+    """peft's ValueError (no module of that name) becomes one UserError line naming the model's linear layers (a run
+    prints it as `error: ...`)."""
+    module = load_recipe_module("lora")
+    values = {**assets["lora"], "lora_target_modules": "nosuch"}
+    args = module.Args(**{k: v for k, v in values.items() if k in module.Args.__dataclass_fields__})
+    with pytest.raises(UserError) as e:
+        module.build_model(ctx(args))
+    message = str(e.value)
+    assert "\n" not in message and "Pass --lora_target_modules names of its linear layers (" in message, message
+    assert "key,query,value" in message and message.endswith(") or all-linear."), message
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_lora_checkpoints_hold_what_trains_and_the_frozen_bases_fingerprints(runs, assets, world):
     """Each checkpoint's model.safetensors holds exactly the parameters that train (the adapter and the new head),
@@ -281,23 +297,64 @@ def test_vision_output_loads_with_from_pretrained_and_the_image_classification_p
     assert top["label"] == CLASSES[int(probs.argmax())] and top["score"] == pytest.approx(float(probs.max()), rel=1e-5)
 
 
-def test_vision_reads_images_through_a_transform_and_flips_only_training_images(assets):
+def test_vision_reads_images_through_a_transform_and_mirrors_about_half_the_training_images(assets):
     """build_data hands over datasets of PIL images with the image processor as their transform (nothing decoded
-    or stored ahead), and the processor itself; the training transform mirrors about half the images."""
+    or stored ahead), and the processor itself; `loss` mirrors about half of a training batch's images, and none of
+    a batch from the eval split or with --no_horizontal_flip."""
     module = load_recipe_module("vision")
     values = assets["vision"]
     args = module.Args(**{k: v for k, v in values.items() if k in module.Args.__dataclass_fields__})
     data = module.build_data(ctx(args))
-    assert type(data["tokenizer"]).__name__.startswith("ViTImageProcessor"), data["tokenizer"]
-    plain = data["eval"].with_format(None)  # the stored rows: PIL images
-    assert type(plain[0]["img"]).__module__.startswith("PIL"), plain[0]
-    rows = data["eval"][:8]
-    assert rows["pixel_values"].shape == (8, 3, 16, 16) and rows["labels"].tolist() == plain[:8]["label"]
-    expected = data["tokenizer"](plain[:8]["img"], return_tensors="pt")["pixel_values"]
-    assert torch.equal(rows["pixel_values"], expected)  # eval: no flip
-    torch.manual_seed(0)
-    train = data["train"][:64]["pixel_values"]
-    raw = data["tokenizer"](data["train"].with_format(None)[:64]["img"], return_tensors="pt")["pixel_values"]
-    mirrored = [bool(torch.equal(t, r.flip(-1))) and not torch.equal(t, r) for t, r in zip(train, raw)]
-    kept = [bool(torch.equal(t, r)) for t, r in zip(train, raw)]
-    assert all(m or k for m, k in zip(mirrored, kept)) and 16 <= sum(mirrored) <= 48, (sum(mirrored), sum(kept))
+    processor = data["tokenizer"]
+    assert type(processor).__name__.startswith("ViTImageProcessor"), processor
+    for split in ("train", "eval"):
+        stored = data[split].with_format(None)[:64]  # the rows as stored: PIL images
+        assert type(stored["img"][0]).__module__.startswith("PIL"), stored["img"][0]
+        rows = data[split][:64]
+        assert torch.equal(rows["pixel_values"], processor(stored["img"], return_tensors="pt")["pixel_values"])
+        assert rows["labels"].tolist() == stored["label"] and rows["flip"].tolist() == [split == "train"] * len(
+            stored["label"]
+        )
+    seen = []
+
+    def model(pixel_values, labels):
+        seen.append(pixel_values)
+        return types.SimpleNamespace(loss=torch.zeros(()))
+
+    train, test = data["train"][:64], data["eval"][:30]
+    unflipped = {**train, "flip": torch.zeros(64, dtype=torch.bool)}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for batch in (train, test, unflipped):
+            assert module.loss(model, batch)[1] == len(batch["labels"])
+    for batch, pixels in zip((train, test, unflipped), seen):
+        mirrored = [
+            bool(torch.equal(p, r.flip(-1))) and not torch.equal(p, r) for p, r in zip(pixels, batch["pixel_values"])
+        ]
+        kept = [bool(torch.equal(p, r)) for p, r in zip(pixels, batch["pixel_values"])]
+        assert all(m or k for m, k in zip(mirrored, kept))
+        assert (16 <= sum(mirrored) <= 48) if batch is train else not any(mirrored), sum(mirrored)
+
+
+def test_vision_interrupted_after_a_checkpoint_resumes_to_the_uninterrupted_runs_bytes(assets, tmp_path):
+    """The random flips are drawn in `loss`, at the update, from the generator a checkpoint holds (drawn in the
+    transform, a batch ahead of the update, they came before the checkpoint and a resumed run drew them again:
+    other bytes), and the images come through the transform from the checkpoint's place in the epoch: a run
+    stopped after its step-4 checkpoint and resumed ends with the uninterrupted run's weights, byte for byte (the
+    Python API, in this process)."""
+    module = load_recipe_module("vision")
+    values = {**COMMON, **assets["vision"], "per_device_train_batch_size": 8, "max_steps": 8}
+
+    def trainer(out, **extra):
+        return Trainer.from_recipe(module, quiet=True, output_dir=str(out), **values, **extra)
+
+    trainer(tmp_path / "whole").fit()
+    cut = trainer(tmp_path / "cut")
+    cut.on("checkpoint_written", lambda t, path: (_ for _ in ()).throw(KeyboardInterrupt) if t.global_step == 4 else 0)
+    with pytest.raises(KeyboardInterrupt):
+        cut.fit()
+    assert not (tmp_path / "cut" / "model.safetensors").exists()
+    trainer(tmp_path / "cut", resume_from_checkpoint="latest").fit()
+    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (
+        tmp_path / "whole" / "model.safetensors"
+    ).read_bytes()
