@@ -1,7 +1,8 @@
-"""recipes/lora.py and recipes/vision.py (issue 40 item 2) as users run them: `python` and `accelerate launch` on 2
-CPU processes (gloo), their output folders loaded back the ecosystem's way (peft's AutoPeftModel / PeftModel; transformers'
-from_pretrained and pipeline), the LoRA run's checkpoints holding the adapter only, and a LoRA run killed with SIGKILL
-after a checkpoint that resumes to the uninterrupted run's bytes.
+"""recipes/lora.py and recipes/vision.py (issue 40 item 2) as users run them: `python` and `accelerate launch` on
+2 CPU processes (gloo), their output folders loaded back the ecosystem's way (peft's AutoPeftModel and PeftModel;
+transformers' from_pretrained and pipeline), the LoRA run's checkpoints holding the adapter only, a LoRA run
+killed with SIGKILL after a checkpoint and a vision run stopped after one, each resumed to the uninterrupted run's
+bytes.
 
 Nothing from the network or ../shared: a 2-layer, 32-wide BERT with a WordPiece tokenizer trained on the test's own
 text and an MRPC-shaped GLUE folder (tests/text_fixtures.py), a 2-layer, 32-wide ViT of 16x16 images with its image
@@ -99,11 +100,16 @@ def final_eval(out) -> dict:
     return [r for r in metrics(str(out)) if "eval_loss" in r][-1]
 
 
+def recipe_args(module, values: dict):
+    """The recipe's own Args from the values of a run (which also hold the Trainer's)."""
+    return module.Args(**{k: v for k, v in values.items() if k in module.Args.__dataclass_fields__})
+
+
 def evaluate(model, recipe: str, values: dict) -> dict:
     """The model's loss, accuracy (and F1 for MRPC) over the recipe's eval split, batches of 4 through the recipe's
     own build_data, collate and eval_step, as the run evaluates."""
     module = load_recipe_module(recipe)
-    args = module.Args(**{k: v for k, v in values.items() if k in module.Args.__dataclass_fields__})
+    args = recipe_args(module, values)
     data = module.build_data(ctx(args))
     rows, collate = data["eval"], data.get("collate") or torch.utils.data.default_collate
     metric = next(iter(module.build_metrics(ctx(args)).values()))
@@ -164,7 +170,7 @@ def test_lora_target_modules_that_match_nothing_are_one_line_naming_the_flag(ass
     prints it as `error: ...`)."""
     module = load_recipe_module("lora")
     values = {**assets["lora"], "lora_target_modules": "nosuch"}
-    args = module.Args(**{k: v for k, v in values.items() if k in module.Args.__dataclass_fields__})
+    args = recipe_args(module, values)
     with pytest.raises(UserError) as e:
         module.build_model(ctx(args))
     message = str(e.value)
@@ -179,7 +185,7 @@ def test_lora_checkpoints_hold_what_trains_and_the_frozen_bases_fingerprints(run
     size (here the adapter and head are 2,114 of 28,388 parameters). Before (issue 40): the whole base each time."""
     module = load_recipe_module("lora")
     values = assets["lora"]
-    args = module.Args(**{k: v for k, v in values.items() if k in module.Args.__dataclass_fields__})
+    args = recipe_args(module, values)
     model = module.build_model(ctx(args))  # the model the run trains
     trains = {n for n, p in model.named_parameters() if p.requires_grad}
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
@@ -303,7 +309,7 @@ def test_vision_reads_images_through_a_transform_and_mirrors_about_half_the_trai
     a batch from the eval split or with --no_horizontal_flip."""
     module = load_recipe_module("vision")
     values = assets["vision"]
-    args = module.Args(**{k: v for k, v in values.items() if k in module.Args.__dataclass_fields__})
+    args = recipe_args(module, values)
     data = module.build_data(ctx(args))
     processor = data["tokenizer"]
     assert type(processor).__name__.startswith("ViTImageProcessor"), processor
