@@ -74,7 +74,8 @@ def build_model(ctx):
     with ctx.accelerator.main_process_first():  # the main process downloads and prepares, the others read
         labels = glue_task(args.dataset_name, args.task_name, args.cache_dir)["train"].features["label"]
     if not hasattr(labels, "num_classes"):
-        raise UserError(f"lora.py classifies; task {args.task_name!r} has {labels} labels (use recipes/glue.py).")
+        raise UserError(f"--task_name {args.task_name}: its labels are {labels}, not classes; lora.py classifies "
+                        "(recipes/glue.py trains regression tasks).")  # fmt: skip
     base = load_pretrained(AutoModelForSequenceClassification, args.model_name_or_path,
                            num_labels=labels.num_classes, cache_dir=args.cache_dir)  # fmt: skip
     if base.config.pad_token_id is None:  # GPT-2 style models find each row's last token by the pad id
