@@ -6,6 +6,20 @@ class UserError(RuntimeError):
     """Bad input: a flag, a file, a folder, a checkpoint, a topology. The message says what to do."""
 
 
+class OneLineError(UserError):
+    """A UserError whose message quotes what a file said (a checkpoint's manifest, a lock's record): control
+    characters in it, newlines included, are escaped, so that nothing quoted from a file can start a line of its own
+    (an "error: ..." line forged by whoever wrote the file)."""
+
+    def __init__(self, *args):
+        super().__init__(*(one_line(a) if isinstance(a, str) else a for a in args))
+
+
+def one_line(text: str) -> str:
+    """`text` with its control characters (newlines included) escaped as Python writes them in a string."""
+    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
+
+
 class ArgumentError(UserError, ValueError):
     """A bad argument value. The message names the flag and what to pass instead. A ValueError too, as it was
     before 0.3 (callers catching that)."""

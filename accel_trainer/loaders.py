@@ -297,7 +297,7 @@ class MapPosition:
     def save_rank_files(self, folder: str, step: int):
         pass
 
-    def load_rank_files(self, folder: str, step: int):
+    def load_rank_files(self, folder: str, saved: dict):
         pass
 
 

@@ -7,6 +7,7 @@ named like transformers: `loss`, `learning_rate`, `grad_norm`, `eval_loss`, `eva
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -18,6 +19,8 @@ from dataclasses import asdict, is_dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
+
+from .errors import UserError
 
 
 def library_versions() -> dict[str, str]:
@@ -63,7 +66,8 @@ class Reporter:
     def write_run_config(self, path: str, config: dict):
         self.run_config = config  # the start line's facts (start_line)
         if self.is_main:
-            with open(path, "w") as f:
+            fd = open_output(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            with os.fdopen(fd, "w") as f:
                 json.dump(config, f, indent=2, default=str)
 
     def log(self, metrics: dict, step: int, epoch: float, progress=None) -> dict:
@@ -74,9 +78,7 @@ class Reporter:
             # One write() of the whole line on a descriptor kept open (O_APPEND): a reader never sees half a row,
             # and no open/close per row (a cost bench/overhead.py's log rows showed).
             if self._metrics_fd is None:
-                self._metrics_fd = os.open(
-                    self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-                )
+                self._metrics_fd = open_output(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
                 weakref.finalize(self, os.close, self._metrics_fd)
             os.write(self._metrics_fd, (json.dumps(event) + "\n").encode())
             shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in event.items())
@@ -89,6 +91,28 @@ class Reporter:
         if self.accelerator.trackers:
             self.accelerator.log({k: v for k, v in event.items() if isinstance(v, (int, float))}, step=step)
         return event
+
+
+def open_output(path: str, flags: int) -> int:
+    """A descriptor for a file the run writes in output_dir: never through a link (a run_config.json linked out of
+    the folder was written over) and never a FIFO or device (a FIFO named metrics.jsonl blocked the run forever,
+    printing nothing): one line naming it instead."""
+    import stat
+
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO without a reader
+            raise UserError(
+                f"{path} is {'a symbolic link' if e.errno == errno.ELOOP else 'not a regular file'}: the run writes "
+                "its own file there. Move it away, or give another --output_dir."
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{path} is not a regular file: the run writes its own file there. Move it away.")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def start_line(config: dict, output_dir: str, resumed_from: str | None) -> str:

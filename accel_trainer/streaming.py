@@ -185,7 +185,13 @@ class Stream:
         state = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": self.state}
         write_json(folder, STATE_FILE.format(rank=self.rank), step, state)
 
-    def load_rank_files(self, folder: str, step: int):
+    def load_rank_files(self, folder: str, saved: dict):
+        """This rank's position from its file, checked against the checkpoint's trainer state (`saved`): the
+        same epoch and batch, a loader state exactly where the epoch has begun; the loader takes it or the
+        checkpoint is refused in one line."""
+        from .checkpointing.folder import CheckpointError
+        from .checkpointing.verify import read_state_file, why
+
         path = os.path.join(folder, STATE_FILE.format(rank=self.rank))
         if not os.path.isfile(path):
             raise StreamError(
@@ -193,12 +199,22 @@ class Stream:
                 "this world size, so this rank's position in the stream is unknown. Resume with the same data and "
                 "number of processes, or start anew (--overwrite_output_dir)."
             )
-        from .checkpointing.verify import read_state_file
-
-        state = read_state_file(folder, path, step)
-        if not (isinstance(state, dict) and {"epoch", "batch_in_epoch", "loader"} <= set(state)):
-            raise StreamError(f"Checkpoint {folder}: {path} does not hold a stream's position; resume from another.")
+        state = read_state_file(folder, path, saved["global_step"])
+        ok = isinstance(state, dict) and set(state) == {"epoch", "batch_in_epoch", "loader"}
+        ok = ok and (state["epoch"], state["batch_in_epoch"]) == (saved["epoch"], saved["batch_in_epoch"])
+        ok = ok and (state["loader"] is None) == (state["batch_in_epoch"] == 0) and state["loader"] != {}
+        if not ok:
+            raise CheckpointError(
+                f"Checkpoint {folder}: {path} does not hold this rank's position in the stream at the checkpoint's "
+                f"epoch {saved['epoch']}, batch {saved['batch_in_epoch']}. Resume from another checkpoint."
+            )
         self.epoch, self.batch_in_epoch, self.state = state["epoch"], state["batch_in_epoch"], state["loader"]
         set_epoch(self.loader, self.epoch)
         if self.state is not None:
-            self.loader.load_state_dict(self.state)
+            try:
+                self.loader.load_state_dict(self.state)
+            except Exception as e:  # noqa: BLE001 - torchdata's or the dataset's refusal of a state it did not write
+                raise CheckpointError(
+                    f"Checkpoint {folder}: {path} holds a loader state the stream cannot take ({why(e)}). Resume from "
+                    "another checkpoint."
+                ) from None

@@ -116,32 +116,45 @@ def dumps(tree) -> str:
 # ----------------------------------------------------------------------------------------------------- reading
 def decode(tree, tensors: dict | None = None, used: set | None = None):
     """The state encode() made `tree` from; references into `tensors` resolved (their names added to `used`).
-    Raises DecodeError for anything encode() does not write: an unknown tag, a missing tensor, a bad inline one."""
+    Raises DecodeError, and only DecodeError, for anything encode() does not write: an unknown tag, a tensor
+    reference that is not the reference encode() writes at that place (a tensor is named by its path), a bad
+    inline tensor, a key or number no state dict holds."""
+    try:
+        return _decode(tree, tensors, used, "")
+    except DecodeError:
+        raise
+    except (TypeError, ValueError, OverflowError, MemoryError) as e:  # a value Python or NumPy will not build
+        raise DecodeError(f"a value that cannot be built ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def _decode(tree, tensors, used, path: str):
     if tree is None or isinstance(tree, (bool, int, str, float)):
         return tree
     if isinstance(tree, list):
-        return [decode(v, tensors, used) for v in tree]
+        return [_decode(v, tensors, used, _join(path, i)) for i, v in enumerate(tree)]
     if not isinstance(tree, dict):
         raise DecodeError(f"a {type(tree).__name__}")
     tags = [k for k in tree if k.startswith("@")]
     if not tags:
-        return {k: decode(v, tensors, used) for k, v in tree.items()}
+        return {k: _decode(v, tensors, used, _join(path, k)) for k, v in tree.items()}
     if len(tree) != 1 or tags[0] not in _TAGS:
         raise DecodeError(f"an object with keys {sorted(tree)[:4]}")
     tag, value = tags[0], tree[tags[0]]
     if tag == "@tuple" and isinstance(value, list):
-        return tuple(decode(v, tensors, used) for v in value)
+        return tuple(_decode(v, tensors, used, _join(path, i)) for i, v in enumerate(value))
     if tag == "@dict" and isinstance(value, list):
         out = {}
         for pair in value:
             if not (isinstance(pair, list) and len(pair) == 2):
                 raise DecodeError("a @dict entry that is not a [key, value] pair")
-            key = decode(pair[0])
-            if not isinstance(key, (str, int, float, bool, type(None), tuple)) or key in out:
-                raise DecodeError(f"a @dict key {key!r} that is repeated or of another type")
-            out[key] = decode(pair[1], tensors, used)
+            key = _decode(pair[0], None, None, path)
+            if not _plain_key(key) or key in out:
+                raise DecodeError(f"a @dict key {str(key)[:80]} that is repeated or of another type")
+            out[key] = _decode(pair[1], tensors, used, _join(path, key))
         return out
     if tag == "@tensor" and isinstance(value, str):
+        if value != path:  # encode() names a tensor by its place: a reference elsewhere moves a tensor
+            raise DecodeError(f"a reference to tensor {value[:100]!r} at {path[:100]!r}")
         if tensors is None or value not in tensors:
             raise DecodeError(f"a reference to tensor {value[:100]!r}, which is not in the checkpoint")
         if used is not None:
@@ -156,8 +169,19 @@ def decode(tree, tensors: dict | None = None, used: set | None = None):
     if tag == "@numpy" and isinstance(value, list) and len(value) == 2 and value[0] in _NUMPY_DTYPES:
         if not isinstance(value[1], (int, float, bool)):
             raise DecodeError("a @numpy value that is not a number")
-        return _NUMPY_DTYPES[value[0]].type(value[1])
+        dtype = _NUMPY_DTYPES[value[0]]
+        number = dtype.type(value[1])
+        if number.item() != value[1] and not (isinstance(value[1], float) and math.isnan(value[1])):
+            raise DecodeError(f"a @numpy {value[0]} holding {str(value[1])[:40]}, which it cannot")
+        return number
     raise DecodeError(f"a malformed {tag}")
+
+
+def _plain_key(key) -> bool:
+    """A key encode() writes for a dict: a str, int, float, bool, None, or a tuple of these."""
+    if isinstance(key, tuple):
+        return all(_plain_key(k) and not isinstance(k, tuple) for k in key)
+    return isinstance(key, (str, int, float, bool, type(None)))
 
 
 def _raw(value: dict, dtypes: dict) -> tuple[bytes, object, list]:
@@ -195,6 +219,12 @@ def read_json(file: str, max_bytes: int = MAX_JSON_BYTES):
             raw = f.read(max_bytes + 1)
     finally:
         os.close(fd)
+    return loads(raw)
+
+
+def loads(raw: bytes | str):
+    """JSON text as Python objects, strictly (read_json's rules): every JSON a checkpoint holds goes through here,
+    the safetensors headers' DCP offsets included. ValueError with a short reason."""
     try:
         return json.loads(raw, object_pairs_hook=_no_repeated_keys)
     except RecursionError:

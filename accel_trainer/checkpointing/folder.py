@@ -22,7 +22,7 @@ import shutil
 import stat
 import time
 
-from ..errors import UserError
+from ..errors import OneLineError, UserError
 
 STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
@@ -34,8 +34,9 @@ _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$")
 _OLD_DIR = re.compile(r"^\.old_step_(\d+)$")  # a complete checkpoint set aside while the same step is re-saved
 
 
-class CheckpointError(UserError):
-    """A checkpoint that cannot be used; the message names the folder or file and what to do."""
+class CheckpointError(OneLineError):
+    """A checkpoint that cannot be used; the message names the folder or file and what to do (one line, whatever
+    the checkpoint's files say)."""
 
 
 class DiskFullError(UserError):
@@ -229,6 +230,7 @@ def save_checkpoint(
 
     def commit():  # main process, once every rank's files are in tmp
         with disk_full_is_one_line(output_dir, what, tmp):
+            ckpt_state.name_shards(tmp, step)
             write_manifest(tmp, state)
         _commit(root, tmp, final, step)
         if save_total_limit:  # only committed (complete) folders are listed: the newest one always stays

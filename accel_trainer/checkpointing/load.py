@@ -10,7 +10,9 @@ no pickle). A full checkpoint (model.safetensors) loads into a run without FSDP 
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -88,9 +90,29 @@ def shard_files(path: str, folder: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------- loading
-def load_checkpoint(accelerator, path: str, model, optimizer, scheduler, ema=None, say=None) -> dict:
-    """Restore everything state.py wrote into this run (every rank); returns the trainer state. `model`: the model
-    being trained (wrapped or not)."""
+# Two phases, so that every rank agrees before anything is set (resume.py): check() reads and checks every part
+# against the run and sets nothing of it -- a refusal there leaves the run as it was, and `latest` can fall back
+# to the checkpoint before --; apply() then sets them (DCP's loads are collectives under FSDP).
+@dataclass
+class Plan:
+    path: str
+    saved: dict  # the trainer state
+    sharded: bool  # a sharded checkpoint
+    model: object  # the model as its state dict is loaded (the FSDP model, or the plain one)
+    opt: object  # the torch optimizer
+    template: dict  # get_optimizer_state_dict of this run's optimizer
+    frozen: dict  # the frozen parameters' fingerprints (frozen.json), or {}
+    optimizer_shards: dict  # {name: (global shape, dtype)} of the optimizer's sharded tensors
+    scheduler: object
+    scaler: object
+    rng: dict | None  # this rank's RNG states, or None for a rank the writing run did not have
+    ema: object
+
+
+def check(accelerator, path: str, model, optimizer, scheduler, ema=None) -> Plan:
+    """Phase 1, every rank: read and check everything load_checkpoint sets; nothing of the run is set (but the
+    optimizer's state, built empty with a zero-lr step where it had none, as torch's get_optimizer_state_dict
+    does). CheckpointError naming the file and the field."""
     from accelerate.utils import DistributedType
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -108,54 +130,90 @@ def load_checkpoint(accelerator, path: str, model, optimizer, scheduler, ema=Non
     # The optimizer's state as this run holds it, the template its checkpoint must fit. First: for an optimizer with
     # no state yet, torch builds it with a zero-lr step, which must not act on weights already loaded.
     template = get_optimizer_state_dict(plain, opt)
-    load_weights(path, plain, sharded)
-    load_optimizer(path, plain, opt, template, step, sharded)
-    _load_fields(path, ckpt_state.SCHEDULER_FILE, step, scheduler)
+    frozen = _check_weights(path, plain, sharded)
+    optimizer_shards = _check_optimizer(path, template, step, sharded)
+    _check_fields(path, ckpt_state.SCHEDULER_FILE, step, scheduler, saved)
     if accelerator.scaler is not None:
-        _load_fields(path, ckpt_state.SCALER_FILE, step, accelerator.scaler)
-    rank = accelerator.process_index
-    if rank < saved["num_processes"]:  # a rank the writing run did not have keeps its seeded generators
-        file = os.path.join(path, ckpt_state.RNG_FILE.format(rank=rank))
+        _check_fields(path, ckpt_state.SCALER_FILE, step, accelerator.scaler, saved)
+    rng = None
+    if accelerator.process_index < saved["num_processes"]:  # a rank the writing run did not have keeps its seed
+        file = os.path.join(path, ckpt_state.RNG_FILE.format(rank=accelerator.process_index))
+        rng = read_state_file(path, file, step)
         try:
-            note = ckpt_state.set_rng_states(read_state_file(path, file, step))
+            ckpt_state.check_rng_states(rng)
         except ValueError as e:
             raise CheckpointError(f"Checkpoint {path}: {file} {e}; resume from another checkpoint.") from None
-        if note and say is not None:
-            say(f"note: {note}.")
     if ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):
-        from safetensors.torch import load_model
-
         file = os.path.join(path, EMA_FILE)
         check_tensors(path, file, file_tensors(path, file), ema.module.state_dict(), "this model's EMA")
-        load_model(ema.module, file, device="cpu")
+    return Plan(path, saved, sharded, plain, opt, template, frozen, optimizer_shards, scheduler, accelerator.scaler,
+                rng, ema)  # fmt: skip
+
+
+def apply(plan: Plan, say=None):
+    """Phase 2, every rank: set what check() checked."""
+    path, step = plan.path, plan.saved["global_step"]
+    load_weights(path, plan.model, plan.sharded, plan.frozen)
+    load_optimizer(path, plan.model, plan.opt, plan.template, step, plan.optimizer_shards)
+    plan.scheduler.load_state_dict(read_state_file(path, os.path.join(path, ckpt_state.SCHEDULER_FILE), step))
+    if plan.scaler is not None:
+        plan.scaler.load_state_dict(read_state_file(path, os.path.join(path, ckpt_state.SCALER_FILE), step))
+    if plan.rng is not None:
+        note = ckpt_state.set_rng_states(plan.rng)
+        if note and say is not None:
+            say(f"note: {note}.")
+    if plan.ema is not None and os.path.isfile(os.path.join(path, EMA_FILE)):
+        from safetensors.torch import load_model
+
+        load_model(plan.ema.module, os.path.join(path, EMA_FILE), device="cpu")
         # The file holds the averaged weights only. AveragedModel copies the weights instead of averaging while its
         # n_averaged is 0, so a resumed EMA would restart from the current weights: set it to the updates applied
         # (every stepped update averaged once; fp16- and NaN-skipped ones did not).
-        ema.n_averaged.fill_(step - saved.get("skipped_steps", 0))
-    return saved
+        plan.ema.n_averaged.fill_(step - plan.saved.get("skipped_steps", 0))
 
 
-def load_weights(path: str, model, sharded: bool):
-    """The model's weights: model.safetensors (tied weights restored), or the DCP shards into the model as it is
-    in this run (sharded over any number of processes, or whole)."""
+def load_checkpoint(accelerator, path: str, model, optimizer, scheduler, ema=None, say=None) -> dict:
+    """check() then apply() on this rank; returns the trainer state. (resume.py runs the two with an agreement of
+    every rank between them.)"""
+    plan = check(accelerator, path, model, optimizer, scheduler, ema)
+    apply(plan, say)
+    return plan.saved
+
+
+def _check_weights(path: str, model, sharded: bool) -> dict:
+    """The checkpoint's weights fit `model` (names, shapes, dtypes; a frozen base's fingerprints); returns the
+    frozen parameters' fingerprints ({} when the checkpoint holds every weight)."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        found = sharded_tensors(path, shard_files(path, ckpt_state.SHARDED_MODEL), scan=False)
+        check_tensors(path, os.path.join(path, ckpt_state.SHARDED_MODEL), found, get_model_state_dict(model))
+        return {}
+    file = os.path.join(path, ckpt_state.MODEL_FILE)
+    found, state = file_tensors(path, file), model.state_dict()
+    frozen = _check_frozen(path, model)
+    found.update({k: (tuple(state[k].shape), _dtype(state[k])) for k in frozen})  # rebuilt by build_model
+    check_tensors(path, file, found, state)
+    return frozen
+
+
+def load_weights(path: str, model, sharded: bool, frozen: dict | None = None):
+    """The model's weights: model.safetensors (tied weights restored; a frozen base left as build_model built it),
+    or the DCP shards into the model as it is in this run (sharded over any number of processes, or whole)."""
     if not sharded:
         from safetensors.torch import load_model
 
         file = os.path.join(path, ckpt_state.MODEL_FILE)
-        found, state = file_tensors(path, file), model.state_dict()
-        frozen = _check_frozen(path, model)
-        found.update({k: (tuple(state[k].shape), _dtype(state[k])) for k in frozen})  # rebuilt by build_model
-        check_tensors(path, file, found, state)
         missing, _ = load_model(model, file, strict=False, device="cpu")
-        if set(missing) - set(frozen):  # check_tensors compared every name first: a tie this model does not have
-            raise CheckpointError(f"Checkpoint {path}: {file} lacks {sorted(set(missing) - set(frozen))[:3]}.")
+        if set(missing) - set(frozen or {}):  # checked first: a tie this model does not have
+            raise CheckpointError(f"Checkpoint {path}: {file} lacks {sorted(set(missing) - set(frozen or {}))[:3]}.")
         return
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    where = os.path.join(path, ckpt_state.SHARDED_MODEL)
     state = get_model_state_dict(model)  # names without wrapper prefixes, this rank's shards
-    check_tensors(path, where, sharded_tensors(path, shard_files(path, ckpt_state.SHARDED_MODEL), scan=False), state)
-    _dcp_load(path, where, {k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    _dcp_load(
+        path, os.path.join(path, ckpt_state.SHARDED_MODEL), {k: v for k, v in state.items() if torch.is_tensor(v)}
+    )
     set_model_state_dict(model, state)
 
 
@@ -177,44 +235,103 @@ def _check_frozen(path: str, model) -> dict:
     return saved
 
 
-def load_optimizer(path: str, model, opt, template: dict, step: int, sharded: bool):
-    """optimizer.json and its tensors, checked against `template` (get_optimizer_state_dict of this run's
-    optimizer): every tensor of the checkpoint is one of the template's, with its (global) shape and dtype, and
-    the param groups name the same parameters; then set_optimizer_state_dict."""
+def _check_optimizer(path: str, template: dict, step: int, sharded: bool) -> dict:
+    """optimizer.json and its tensors against `template` (get_optimizer_state_dict of this run's optimizer): each
+    tensor where the template has one, of its (global) shape and dtype; the same parameters in each state and param
+    group, each group's settings of the kinds this optimizer has (a flag as it is here; a number finite); step counts
+    between 0 and global_step. Returns the sharded tensors' {name: (global shape, dtype)}."""
+    from safetensors import safe_open
+
+    file = os.path.join(path, ckpt_state.OPTIMIZER_FILE)
+    whole = os.path.join(path, ckpt_state.OPTIMIZER_TENSORS)
+    found = file_tensors(path, whole) if os.path.isfile(whole) else {}
+    shards = shard_files(path, ckpt_state.SHARDED_OPTIMIZER)
+    in_shards = sharded_tensors(path, shards, scan=False) if shards else {}
+    # placeholders of each tensor's shape and dtype (no data), and the values of the one-element ones (step counts)
+    held = {n: torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for n, (shape, dtype) in
+            {**found, **in_shards}.items()}  # fmt: skip
+    if found:
+        with safe_open(whole, framework="pt") as f:
+            held.update({n: f.get_tensor(n) for n, (shape, _) in found.items() if math.prod(shape) == 1})
+    used: set = set()
+    state = read_state_file(path, file, step, held, used)
+    problem = _unlike(state, template, step, "")
+    if problem is None and used != set(held):
+        problem = f"tensors it does not use ({sorted(set(held) - used)[:3]})"
+    if problem is not None:
+        raise CheckpointError(
+            f"Checkpoint {path}: {file} does not fit this run's optimizer: {problem}. Resume with the model and "
+            "optimizer the checkpoint was written with."
+        )
+    return in_shards
+
+
+def _unlike(saved, live, step: int, where: str) -> str | None:
+    """Where `saved` (an optimizer state dict as the checkpoint holds it) is not of `live`'s make, or None."""
+    here = where or "the state"
+    if torch.is_tensor(live):
+        if not torch.is_tensor(saved):
+            return f"{here} is {type(saved).__name__}, a tensor here"
+        if (tuple(saved.shape), saved.dtype) != (tuple(live.shape), live.dtype):
+            return f"{here} is {tuple(saved.shape)} {_dtype(saved)}, {tuple(live.shape)} {_dtype(live)} here"
+        if where.endswith(".step") and saved.numel() == 1 and not saved.is_meta:
+            value = float(saved)
+            if not (math.isfinite(value) and 0 <= value <= step):
+                return f"{here} is {value}, not a step count of a run at step {step}"
+        return None
+    if isinstance(live, dict):
+        # a parameter that never had a gradient has no state in the checkpoint; here it has one (torch's zero-lr step)
+        missing_ok = where == "state"
+        if not isinstance(saved, dict) or set(saved) - set(live) or (set(live) - set(saved) and not missing_ok):
+            keys = sorted(map(str, set(saved) ^ set(live)))[:4] if isinstance(saved, dict) else type(saved).__name__
+            return f"{here} holds other entries ({keys})"
+        for k in saved:
+            problem = _unlike(saved[k], live[k], step, f"{where}.{k}" if where else str(k))
+            if problem:
+                return problem
+        return None
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            return f"{here} is not {len(live)} entries long"
+        if where.endswith(".params"):
+            return None if list(saved) == list(live) else f"{here} names other parameters"
+        for i, (a, b) in enumerate(zip(saved, live)):
+            problem = _unlike(a, b, step, f"{where}.{i}")
+            if problem:
+                return problem
+        return None
+    number = (int, float)
+    if isinstance(live, number) and not isinstance(live, bool):
+        if not isinstance(saved, number) or isinstance(saved, bool):
+            return f"{here} is {str(saved)[:40]}, a number here"
+        if math.isfinite(live) and not math.isfinite(saved):
+            return f"{here} is {saved}"
+        if where.endswith(".step") and not 0 <= saved <= step:
+            return f"{here} is {saved}, not a step count of a run at step {step}"
+        return None
+    if saved != live or type(saved) is not type(live):  # a flag or a name: an optimizer of another make
+        return f"{here} is {str(saved)[:40]}, {str(live)[:40]} here"
+    return None
+
+
+def load_optimizer(path: str, model, opt, template: dict, step: int, in_shards: dict):
+    """Phase 2 of the optimizer: its tensors (whole ones from optimizer.safetensors, sharded ones by DCP into the
+    template's), then set_optimizer_state_dict."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     from . import codec
 
-    file = os.path.join(path, ckpt_state.OPTIMIZER_FILE)
-    live: dict = {}
-    codec.encode(template, live)
     whole = os.path.join(path, ckpt_state.OPTIMIZER_TENSORS)
-    found = file_tensors(path, whole) if os.path.isfile(whole) else {}
-    shards = shard_files(path, ckpt_state.SHARDED_OPTIMIZER)
-    in_shards = sharded_tensors(path, shards, scan=False) if shards else {}
-    for name, (shape, dtype) in {**found, **in_shards}.items():
-        mine = live.get(name)
-        if mine is None or (tuple(mine.shape), _dtype(mine)) != (shape, dtype):
-            have = "none" if mine is None else f"{tuple(mine.shape)} {_dtype(mine)}"
-            raise CheckpointError(
-                f"Checkpoint {path}: the optimizer state {name} ({shape} {dtype} in {ckpt_state.OPTIMIZER_FILE}'s "
-                f"tensors) does not fit this run's optimizer ({have}): a state of another model or optimizer. "
-                "Resume with the model and optimizer the checkpoint was written with."
-            )
-    tensors = load_file(whole) if found else {}
+    tensors = load_file(whole) if os.path.isfile(whole) else {}
     if in_shards:
+        live: dict = {}
+        codec.encode(template, live)
         to_load = {n: live[n] for n in in_shards}
         _dcp_load(path, os.path.join(path, ckpt_state.SHARDED_OPTIMIZER), to_load)
         tensors.update(to_load)
-    used: set = set()
-    state = read_state_file(path, file, step, tensors, used)
-    groups = lambda s: [g.get("params") for g in s.get("param_groups", [])] if isinstance(s, dict) else None  # noqa: E731
-    if used != set(tensors) or not isinstance(state, dict) or groups(state) != groups(template):
-        raise CheckpointError(
-            f"Checkpoint {path}: {file} does not fit this run's optimizer (its param groups name other parameters, "
-            "or its tensors do not belong to it). Resume with the model and optimizer the checkpoint was written with."
-        )
+    file = os.path.join(path, ckpt_state.OPTIMIZER_FILE)
+    state = read_state_file(path, file, step, tensors)
     try:
         set_optimizer_state_dict(model, opt, state)
     except Exception as e:  # noqa: BLE001 - the optimizer refused the state: the checkpoint's, named
@@ -226,42 +343,44 @@ def _dcp_load(path: str, folder: str, state: dict):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         dcp.load(state, storage_reader=HuggingFaceStorageReader(folder), no_dist=not dist.is_initialized())
-    except Exception as e:  # noqa: BLE001 - verified shards that DCP still refuses: named, not a traceback
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException: named, not a traceback
         raise CheckpointError(f"Checkpoint {path}: {folder} cannot be loaded ({why(e)}).") from None
 
 
-def _load_fields(path: str, name: str, step: int, target):
-    """A scheduler's or GradScaler's state: the fields the object has, of their kinds (load_state_dict would take
-    any dict into the object's __dict__), then loaded."""
+def _check_fields(path: str, name: str, step: int, target, saved_state: dict):
+    """A scheduler's or GradScaler's state: the fields the object has, of their kinds, numbers finite where the
+    object's are (load_state_dict would take any dict into the object's __dict__); a schedule's count of steps
+    not past the run's updates."""
     file = os.path.join(path, name)
     if not os.path.isfile(file):
         raise CheckpointError(
             f"Checkpoint {path}: {file} is missing; this run has a {type(target).__name__} to restore."
         )
     saved, live = read_state_file(path, file, step), target.state_dict()
-    wrong = sorted(set(saved) ^ set(live)) if isinstance(saved, dict) else ["everything"]
+    wrong = sorted(map(str, set(saved) ^ set(live))) if isinstance(saved, dict) else ["everything"]
     wrong += [k for k in set(saved) & set(live) if not _same_kind(saved[k], live[k])] if not wrong else []
+    steps = saved.get("last_epoch") if isinstance(saved, dict) and not wrong else None
+    if type(steps) is int and not -1 <= steps <= step + 1:  # once per update that stepped, at most
+        wrong.append(f"last_epoch {steps} (the run is at step {step})")
     if wrong:
         raise CheckpointError(
-            f"Checkpoint {path}: {file} does not hold the fields of this run's {type(target).__name__} "
-            f"({', '.join(map(str, wrong[:5]))}): a state of another kind. Resume with the scheduler the checkpoint "
-            "was written with."
+            f"Checkpoint {path}: {file} does not hold the state of this run's {type(target).__name__} "
+            f"({', '.join(map(str, wrong[:5]))}): a state of another kind or run. Resume with the scheduler the "
+            "checkpoint was written with, or from another checkpoint."
         )
-    try:
-        target.load_state_dict(saved)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"Checkpoint {path}: {file} cannot be loaded ({why(e)}).") from None
 
 
 def _same_kind(a, b) -> bool:
+    """`a` (a checkpoint's) is a value of `b`'s kind: a number (finite where b is), a flag, a list as long, ..."""
     number = (int, float)
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b)
     if isinstance(a, number) and isinstance(b, number):
-        return True
+        return math.isfinite(a) or not math.isfinite(b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_kind(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -278,10 +397,13 @@ def load_resharded(path: str, model, optimizer=None) -> dict:
 
     saved = check_state(path)
     sharded = is_sharded_checkpoint(path)
-    template = get_optimizer_state_dict(model, ckpt_state.inner(optimizer)) if optimizer is not None else None
-    load_weights(path, model, sharded)
-    if optimizer is not None:
-        load_optimizer(path, model, ckpt_state.inner(optimizer), template, saved["global_step"], sharded)
+    opt = ckpt_state.inner(optimizer) if optimizer is not None else None
+    template = get_optimizer_state_dict(model, opt) if opt is not None else None
+    frozen = _check_weights(path, model, sharded)
+    shards = _check_optimizer(path, template, saved["global_step"], sharded) if opt is not None else None
+    load_weights(path, model, sharded, frozen)
+    if opt is not None:
+        load_optimizer(path, model, opt, template, saved["global_step"], shards)
     return saved
 
 

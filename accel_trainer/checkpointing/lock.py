@@ -23,16 +23,17 @@ import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
 
-from ..errors import UserError
+from ..errors import OneLineError, UserError
 
 LOCK_FILE = ".accel-trainer.lock"
 _held: dict = {}  # realpath of output_dir -> the OutputLock this process holds on it
 
 
-class OutputDirInUse(UserError):
+class OutputDirInUse(OneLineError):
     """Another run holds the output folder."""
 
 
@@ -79,14 +80,24 @@ def acquire(output_dir: str, say=None) -> OutputLock:
         old.fd = None
         _held[real] = lock
         return lock
+    for sub in ("checkpoints", "best"):  # the run writes into these: its own folders, never links elsewhere
+        if os.path.islink(os.path.join(real, sub)):
+            raise OutputDirInUse(
+                f"{os.path.join(output_dir, sub)} is a symbolic link (to {os.path.realpath(os.path.join(real, sub))}): "
+                "a run keeps its checkpoints and best model in its own output folder, which it locks; through a "
+                "link two runs would write into one. Link the whole --output_dir instead, or remove the link."
+            )
     path = os.path.join(real, LOCK_FILE)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
-    except OSError as e:  # a read-only folder or mount, a folder of another user
-        raise UserError(
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as e:  # a read-only folder or mount, a folder of another user, a link
+        raise OutputDirInUse(
             f"output_dir {output_dir} is not writable ({e.strerror}: {path}): the run writes its checkpoints and "
             "model there. Make it writable, or give another --output_dir."
         ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device named like the lock
+        os.close(fd)
+        raise OutputDirInUse(f"{path} is not a regular file: the run keeps its lock there. Remove it, then run again.")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -104,10 +115,17 @@ def acquire(output_dir: str, say=None) -> OutputLock:
             say(f"note: output_dir {output_dir} cannot be locked on this file system ({e.strerror}): a second run "
                 "started on it would not be refused.")  # fmt: skip
         return OutputLock(real, None)
-    os.ftruncate(fd, 0)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": " ".join(sys.argv)[:500]}  # fmt: skip
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except OSError as e:  # the record is for the next run's refusal line: a full disk is said, the lock holds
+        os.close(fd)
+        raise UserError(
+            f"output_dir {output_dir} cannot be written ({e.strerror}): the disk is full or the folder read-only. "
+            "Free space there, or give another --output_dir."
+        ) from None
     lock = OutputLock(real, fd)
     _held[real] = lock
     return lock

@@ -199,25 +199,43 @@ class CheckpointManager:
             "seed": self.args.seed,
         }
 
-    def resume(self, path: str):
+    def resume(self, path: str) -> str:
         """Continue the run from the verified checkpoint `path` (resume.resume: the weights, optimizer and RNG
-        states, and this rank's position for any world size); then every component loads its part, and the data
-        position its per-rank files (a stream's position: they differ by rank)."""
-        acc = self.accelerator
-        state, position = ckpt_resume.resume(
-            acc, path, self.args, self.model, self.optimizer, self.scheduler, ema=self.ema,
-            streaming=self.data.per_rank, batches_per_epoch=getattr(self.data, "batches_per_epoch", None), say=self.say,
-        )  # fmt: skip
+        states, and this rank's position for any world size, every part checked against the run on every rank
+        first); then every component loads its part. With `latest`/`auto`, a checkpoint refused by those checks is
+        skipped for the one before, as one the verifier refuses is. Returns the checkpoint resumed from."""
+        acc, spec, tried = self.accelerator, ckpt_resume.effective_resume_spec(self.args.resume_from_checkpoint), []
+        while True:
+            try:
+                state, position = ckpt_resume.resume(
+                    acc, path, self.args, self.model, self.optimizer, self.scheduler, ema=self.ema,
+                    streaming=self.data.per_rank, batches_per_epoch=getattr(self.data, "batches_per_epoch", None),
+                    extra=lambda saved: self.data.load_rank_files(path, saved),
+                    say=self.say,
+                )  # fmt: skip
+                break
+            except ckpt_resume.Unusable as e:
+                if spec is None or not spec.startswith(("latest", "auto")):
+                    raise ckpt_folder.CheckpointError(str(e)) from None
+                tried.append((path, str(e)))
+                if acc.is_main_process:
+                    ckpt_resume.warn(f"warning: skipping checkpoint {path}: {e}")
+                try:
+                    path = ckpt_resume.resolve_on_main(acc, spec, self.args.output_dir, skip=[p for p, _ in tried])
+                except ckpt_folder.CheckpointError:
+                    raise ckpt_folder.CheckpointError(tried[0][1]) from None  # the newest one's reason
+                if path is None:
+                    raise ckpt_folder.CheckpointError(tried[0][1]) from None
         here = {**state, "batch_in_epoch": position}  # this rank's place in the epoch on this world size
         for component in self.components:
             component.load_state_dict(here)
-        self.data.load_rank_files(path, state["global_step"])
         moved = "" if state["num_processes"] == acc.num_processes else (
             f", written by {state['num_processes']} processes: batch {state['batch_in_epoch']} there"
         )  # fmt: skip
         self.say(
             f"Resumed from {path} at step {state['global_step']} (epoch {self.data.epoch}, batch {position}{moved})."
         )
+        return path
 
     # ------------------------------------------------------------------------------------------------- saving
     def own_output_dir(self):

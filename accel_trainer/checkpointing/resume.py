@@ -26,23 +26,27 @@ from .verify import verify_checkpoint, why
 
 
 # ------------------------------------------------------------------------------------------------------ resolving
-def _say(msg: str):
-    print(msg, file=sys.stderr, flush=True)
+def warn(msg: str):
+    from ..errors import one_line
+
+    print(one_line(msg), file=sys.stderr, flush=True)  # a warning quotes a checkpoint's reason: one line, always
 
 
-def resolve_resume_path(spec: str, output_dir: str, log=_say) -> str | None:
+def resolve_resume_path(spec: str, output_dir: str, log=warn, skip=()) -> str | None:
     """The verified folder `--resume_from_checkpoint` names: a folder, 'latest' (the newest good checkpoint in
     output_dir; an error if there is none) or 'auto' (the same, but None when there is no checkpoint at all).
     A bad newest checkpoint is skipped with a message naming the problem; the previous good one is used."""
     if spec.startswith("auto:"):  # an elastic restart of a run started from another folder: newest here first
-        return resolve_resume_path("auto", output_dir, log) or resolve_resume_path(spec[5:], output_dir, log)
+        return resolve_resume_path("auto", output_dir, log, skip) or resolve_resume_path(
+            spec[5:], output_dir, log, skip
+        )
     if spec in ("latest", "auto"):
         for path in restore_set_aside(output_dir):
             log(f"Restored {path}: killed while the same step was being written again.")
         for path in not_checkpoints(output_dir):
             log(f"warning: skipping {path}: named like a checkpoint, but not a folder (a symbolic link, a file): not "
                 "one this run wrote.")  # fmt: skip
-        found = list_checkpoints(output_dir)
+        found = [p for p in list_checkpoints(output_dir) if p not in skip]
         if not found:
             if spec == "auto":
                 return None
@@ -121,10 +125,12 @@ def effective_resume_spec(spec: str | None) -> str | None:
     return spec
 
 
-def resolve_on_main(accelerator, spec: str, output_dir: str) -> str | None:
+def resolve_on_main(accelerator, spec: str, output_dir: str, skip=()) -> str | None:
     """resolve_resume_path on the main process only (one reader of the files); the others get its answer, or
     its error, so that every rank resumes from the same folder or every rank stops with the same message."""
-    return on_main(accelerator, lambda: resolve_resume_path(spec, output_dir), f"--resume_from_checkpoint {spec}")
+    return on_main(
+        accelerator, lambda: resolve_resume_path(spec, output_dir, skip=skip), f"--resume_from_checkpoint {spec}"
+    )
 
 
 def on_main(accelerator, fn, what: str, share: bool = True):
@@ -154,38 +160,89 @@ def on_main(accelerator, fn, what: str, share: bool = True):
 
 
 # ------------------------------------------------------------------------------------------------------- resuming
+class Unusable(CheckpointError):
+    """A checkpoint refused before anything of it was set (load.check): `latest` can go on to the one before."""
+
+
 def resume(
     accelerator, path: str, args, model, optimizer, scheduler, *, ema=None, streaming=False, batches_per_epoch=None,
-    say=_say,
+    extra=None, say=warn,
 ) -> tuple[dict, int]:  # fmt: skip
     """Load the verified checkpoint `path` into the run, on every rank; returns (its trainer state, this rank's
-    micro-batch position in the epoch: resumed_position). The main process then tidies output_dir for the run
-    that continues: interrupted writes removed, newer checkpoints set aside (`say` prints the first)."""
-    saved = ckpt_load.check_state(path)
-    position = resumed_position(saved, path, args, accelerator.num_processes, streaming)
-    if batches_per_epoch is not None and position >= batches_per_epoch:
-        raise CheckpointError(
-            f"Checkpoint {path}: {os.path.join(path, STATE_FILE)} holds batch_in_epoch {saved['batch_in_epoch']} "
-            f"(written by {saved['num_processes']} process(es)), at or past the end of an epoch of this data "
-            f"({batches_per_epoch} micro-batches per process here): a checkpoint of other data, or a damaged one. "
-            "Resume with the data it was written with, or from another checkpoint."
-        )
+    micro-batch position in the epoch: resumed_position). Every rank first checks everything against the run
+    (load.check, then `extra()`: the data position's per-rank files), and all agree before anything is set: a refusal
+    on any rank is the same one line on every rank (Unusable), with nothing of the run changed. Then the main
+    process tidies output_dir for the run that continues: interrupted writes removed, newer checkpoints set aside
+    (`say` prints the first)."""
     quiet = lambda line: None  # noqa: E731
-    _check_ema(path, ema, say if accelerator.is_main_process else quiet)
-    state = ckpt_load.load_checkpoint(
-        accelerator, path, model, optimizer, scheduler, ema=ema, say=say if accelerator.is_main_process else quiet
-    )
-    if accelerator.is_main_process:
+    main_say = say if accelerator.is_main_process else quiet
+
+    def check():
+        saved = ckpt_load.check_state(path)
+        position = resumed_position(saved, path, args, accelerator.num_processes, streaming)
+        if batches_per_epoch is not None and position >= batches_per_epoch:
+            raise CheckpointError(
+                f"Checkpoint {path}: {os.path.join(path, STATE_FILE)} holds batch_in_epoch {saved['batch_in_epoch']} "
+                f"(written by {saved['num_processes']} process(es)), at or past the end of an epoch of this data "
+                f"({batches_per_epoch} micro-batches per process here): a checkpoint of other data, or a damaged "
+                "one. Resume with the data it was written with, or from another checkpoint."
+            )
+        plan = ckpt_load.check(accelerator, path, model, optimizer, scheduler, ema=ema)
+        if extra is not None:
+            extra(saved)
+        return saved, position, plan
+
+    try:
+        saved, position, plan = agree(accelerator, check, f"checking {path}")
+    except CheckpointError as e:
+        raise Unusable(str(e)) from None
+    _check_ema(path, ema, main_say)
+    agree(accelerator, lambda: ckpt_load.apply(plan, say=main_say), f"loading {path}")
+
+    def tidy():
+        if not accelerator.is_main_process:
+            return
         for stale in remove_stale_tmp(args.output_dir):
             say(f"Removed {stale}: a checkpoint whose writing was interrupted.")
-        moved, aside = set_aside_newer(args.output_dir, state["global_step"])
+        moved, aside = set_aside_newer(args.output_dir, saved["global_step"])
         if moved:  # said even when quiet: checkpoints were moved
-            _say(
+            warn(
                 f"warning: moved {', '.join(os.path.basename(p) for p in moved)} to {aside}: newer than "
-                f"step_{state['global_step']}, which this run resumes from, so `latest` would prefer them over "
+                f"step_{saved['global_step']}, which this run resumes from, so `latest` would prefer them over "
                 "this run's own checkpoints. Delete that folder if you do not need it."
             )
-    return state, position
+
+    agree(accelerator, tidy, f"tidying {args.output_dir}")
+    return saved, position
+
+
+def agree(accelerator, fn, what: str):
+    """fn() on every rank, then every rank learns every rank's outcome: a UserError on any rank is raised on every
+    rank (the others' line names the rank), so that no rank goes on alone into a collective the others never
+    reach, nor says it resumed while another refused. Returns fn()'s value."""
+    from ..errors import UserError
+
+    error, value = None, None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it; re-raised below
+        error = e
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        mine = None
+        if error is not None:
+            mine = (type(error).__name__, str(error)) if isinstance(error, UserError) else ("", why(error))
+        outcomes = gather_object([(accelerator.process_index, mine)])
+        failed = [(rank, outcome) for rank, outcome in outcomes if outcome is not None]
+        if failed and error is None:
+            rank, (kind, message) = failed[0]
+            if not kind:
+                message = f"{what}: rank {rank} failed ({message})."
+            raise (CheckpointError if kind in ("CheckpointError", "Unusable") else UserError)(message)
+    if error is not None:
+        raise error
+    return value
 
 
 def _check_ema(path: str, ema, say) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,8 +117,9 @@ def write_tensors(folder: str, captured: Captured, main: bool, process_group=Non
         tree = codec.encode(captured.optimizer, tensors, "")
         plain = {k: v for k, v in tensors.items() if not is_dtensor(v)}
         _save_shards(os.path.join(folder, SHARDED_MODEL), captured.weights, process_group)
-        _save_shards(os.path.join(folder, SHARDED_OPTIMIZER), {k: v for k, v in tensors.items() if is_dtensor(v)},
-                     process_group)  # fmt: skip
+        sharded = {k: v for k, v in tensors.items() if is_dtensor(v)}
+        if sharded:  # the same on every rank: an optimizer without state (SGD without momentum) has none
+            _save_shards(os.path.join(folder, SHARDED_OPTIMIZER), sharded, process_group)
         if main:
             save_weights(plain, os.path.join(folder, OPTIMIZER_TENSORS), step)
             with open(os.path.join(folder, OPTIMIZER_FILE), "w") as f:
@@ -129,6 +131,19 @@ def write_tensors(folder: str, captured: Captured, main: bool, process_group=Non
     tensors = {}
     write_json(folder, OPTIMIZER_FILE, step, captured.optimizer, tensors)
     save_weights(tensors, os.path.join(folder, OPTIMIZER_TENSORS), step)
+
+
+def name_shards(folder: str, step: int):
+    """Name each DCP shard for the checkpoint it belongs to (`shard-<rank>.step_<N>.safetensors`; DCP's own name
+    says neither, and its header says nothing of the step): a shard copied in from another checkpoint is then
+    named by the verifier, not loaded. Main process, once every rank has written (torch's reader takes any name)."""
+    for sub in (SHARDED_MODEL, SHARDED_OPTIMIZER):
+        shards = os.path.join(folder, sub)
+        for name in sorted(os.listdir(shards)) if os.path.isdir(shards) else []:
+            if m := re.match(r"^shard-(\d{5})-model-\d{5}-of-\d{5}\.safetensors$", name):
+                os.replace(
+                    os.path.join(shards, name), os.path.join(shards, f"shard-{m.group(1)}.step_{step}.safetensors")
+                )
 
 
 def save_weights(state: dict, path: str, step: int):

@@ -23,12 +23,12 @@ docs/fault-tolerance.md.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import stat
 
+from ..errors import one_line
 from . import codec
 from . import state as ckpt_state
 from .folder import EMA_FILE, MANIFEST_FILE, STATE_FILE, CheckpointError, hash_file
@@ -163,8 +163,8 @@ def check_layout(path: str, manifest: dict, log=None):
                 "written."
             )
         if log is not None:
-            log(f"warning: checkpoint {path}: {os.path.join(path, rel)} is not listed in {MANIFEST_FILE}; nothing "
-                "reads it, ignored.")  # fmt: skip
+            log(one_line(f"warning: checkpoint {path}: {os.path.join(path, rel)} is not listed in {MANIFEST_FILE}; "
+                         "nothing reads it, ignored."))  # fmt: skip
 
 
 def verify_checkpoint(path: str, log=None) -> dict:
@@ -189,7 +189,7 @@ def verify_checkpoint(path: str, log=None) -> dict:
             raise CheckpointError(f"Checkpoint {path}: {file} is corrupt (sha256 differs from {MANIFEST_FILE}).")
     state = check_state(path, manifest)
     check_complete(path, manifest, state)
-    tensors = check_tensor_files(path, manifest, state["global_step"])
+    tensors = check_tensor_files(path, manifest, state["global_step"], state["num_processes"])
     check_json_files(path, manifest, state, tensors)
     return state
 
@@ -213,11 +213,20 @@ def check_state(path: str, manifest: dict | None = None) -> dict:
         wrong.append(f"best_metric {best!r}")
     if best_step is not None and (type(best_step) is not int or not 0 <= best_step <= step):
         wrong.append(f"best_step {best_step!r}")
+    if 0 <= step < state["epoch"]:  # every epoch has at least one update
+        wrong.append(f"epoch {state['epoch']} at global_step {step}")
+    optional = {  # what the run's components write besides: None, or a value of this kind
+        "micro_batch_size": lambda v: type(v) is int and 1 <= v < 1 << 31,
+        "items_per_rank": lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0,
+        "evals_without_improvement": lambda v: type(v) is int and 0 <= v <= max(step, 0),
+        "seed": lambda v: type(v) is int,
+    }
+    wrong += [f"{k} {state[k]!r}" for k, ok in optional.items() if state.get(k) is not None and not ok(state[k])]
     if wrong:
         raise CheckpointError(
-            f"Checkpoint {path}: {file} holds {', '.join(wrong)}, which no run writes (steps, epoch and position "
-            "from 0, processes and batch sizes from 1, skipped_steps and best_step up to global_step, best_metric "
-            "a finite number or null): it cannot be resumed."
+            f"Checkpoint {path}: {file} holds {', '.join(str(w)[:80] for w in wrong)}, which no run writes (steps, "
+            "epoch and position from 0, the epoch up to the step, processes and batch sizes from 1, skipped_steps and "
+            "best_step up to global_step, best_metric a finite number or null): it cannot be resumed."
         )
     said = []
     if manifest is not None:
@@ -242,6 +251,12 @@ def check_complete(path: str, manifest: dict, state: dict):
     sharded = any(rel.startswith(ckpt_state.SHARDED_MODEL + os.sep) for rel in files)
     needed = [ckpt_state.OPTIMIZER_FILE, ckpt_state.SCHEDULER_FILE, ckpt_state.RECORD_FILE]
     needed += [f"rng_state_{r}.json" for r in range(ranks)]
+    if sharded and ckpt_state.MODEL_FILE in files:
+        raise CheckpointError(
+            f"Checkpoint {path}: {MANIFEST_FILE} lists both {ckpt_state.MODEL_FILE} and the shards of "
+            f"{ckpt_state.SHARDED_MODEL}/: two sets of weights, of which a resume would take one. Resume from "
+            "another checkpoint."
+        )
     missing = [name for name in needed + ([] if sharded else [ckpt_state.MODEL_FILE]) if name not in files]
     extra = [rel for rel in files if (m := RNG_FILE.match(rel)) and int(m.group(1)) >= ranks]
     if missing or extra:
@@ -260,9 +275,10 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
 
 
-def read_header(path: str, file: str, step: int | None, scan: bool = True):
+def read_header(path: str, file: str, step: int | None, scan: bool = True, finite=None):
     """A safetensors file's tensors {name: (shape, dtype name)} and metadata; `scan`: each tensor read and refused
-    when a floating one holds NaN; `step`: the step its metadata must name."""
+    when a floating one holds NaN, or an infinity where it is in `finite` (True: every tensor) -- a parameter or an
+    optimizer's state; a buffer may hold -inf (an attention mask); `step`: the step its metadata must name."""
     from safetensors import safe_open
 
     try:
@@ -272,10 +288,11 @@ def read_header(path: str, file: str, step: int | None, scan: bool = True):
             for k in f.keys():
                 part = f.get_slice(k)
                 found[k] = (tuple(part.get_shape()), _SAFETENSORS_DTYPES.get(part.get_dtype(), part.get_dtype()))
-                if scan and (t := f.get_tensor(k)).is_floating_point() and t.isnan().any():
+                if scan and _non_finite(f, k, finite is True or (finite is not None and k in finite)):
                     raise CheckpointError(
-                        f"Checkpoint {path}: {file} holds NaN in {k}: a run that diverged before the checkpoint was "
-                        "written (accel-trainer stops a run on a non-finite loss). Resume from an earlier checkpoint."
+                        f"Checkpoint {path}: {file} holds NaN or infinity in {k}: a run that diverged before the "
+                        "checkpoint was written (accel-trainer stops a run on a non-finite loss). Resume from an "
+                        "earlier checkpoint."
                     )
     except CheckpointError:
         raise
@@ -289,29 +306,73 @@ def read_header(path: str, file: str, step: int | None, scan: bool = True):
     return found, metadata
 
 
-def check_tensor_files(path: str, manifest: dict, step: int) -> dict:
+def _non_finite(f, name: str, no_inf: bool) -> bool:
+    """NaN (or, with `no_inf`, an infinity) in tensor `name` of the open safetensors file `f`, read in slices of
+    bounded size (a tensor is not read whole into memory)."""
+    part = f.get_slice(name)
+    shape = part.get_shape()
+    if not _SAFETENSORS_DTYPES.get(part.get_dtype(), "").startswith(("float", "bfloat")):
+        return False  # integers, bools: no NaN to hold
+    if not shape or shape[0] == 0:
+        t = f.get_tensor(name)
+        return bool(t.isnan().any() or (no_inf and t.isinf().any()))
+    rows = max(1, (1 << 24) // max(1, math.prod(shape[1:])))
+    for start in range(0, shape[0], rows):
+        t = part[start : start + rows]
+        if t.isnan().any() or (no_inf and t.isinf().any()):
+            return True
+    return False
+
+
+def trained_names(path: str, manifest: dict) -> set:
+    """The model's tensors that train: the parameters the optimizer's param groups name (optimizer.json, read as
+    JSON only: the names are in it as written)."""
+    try:
+        doc = codec.read_json(os.path.join(path, ckpt_state.OPTIMIZER_FILE))
+        groups = doc["state"]["param_groups"]
+        return {p for g in groups for p in g["params"] if isinstance(p, str)}
+    except (OSError, ValueError, TypeError, KeyError):
+        return set()  # check_json_files names what is wrong with it
+
+
+def check_tensor_files(path: str, manifest: dict, step: int, ranks: int | None = None) -> dict:
     """Every safetensors file readable, NaN-free and of this step; the sharded folders' chunks tile their tensors.
     Returns {file group: {tensor name: (global shape, dtype)}} for the model, EMA and optimizer."""
     files = manifest["files"]
+    trained = trained_names(path, manifest)
     out: dict = {}
-    for rel in (ckpt_state.MODEL_FILE, EMA_FILE, ckpt_state.OPTIMIZER_TENSORS):
+    for rel, finite in ((ckpt_state.MODEL_FILE, trained), (EMA_FILE, trained), (ckpt_state.OPTIMIZER_TENSORS, True)):
         if rel in files:
-            out[rel] = read_header(path, os.path.join(path, rel), step)[0]
-    for folder in _SHARD_DIRS:
+            out[rel] = read_header(path, os.path.join(path, rel), step, True, finite)[0]
+    for folder, finite in ((ckpt_state.SHARDED_MODEL, trained), (ckpt_state.SHARDED_OPTIMIZER, True)):
         shards = sorted(rel for rel in files if rel.startswith(folder + os.sep))
         if shards:
-            out[folder] = sharded_tensors(path, [os.path.join(path, rel) for rel in shards])
+            out[folder] = sharded_tensors(path, [os.path.join(path, rel) for rel in shards], True, step, ranks, finite)
     return out
 
 
-def sharded_tensors(path: str, shards: list[str], scan: bool = True) -> dict:
+SHARD_FILE = re.compile(r"^shard-(\d{5})\.step_(\d+)\.safetensors$")  # state.name_shards: the rank and the step
+
+
+def sharded_tensors(
+    path: str, shards: list[str], scan: bool = True, step: int | None = None, ranks=None, finite=None
+) -> dict:
     """{name: (global shape, dtype)} of DCP safetensors shards, whose chunks (each shard's offsets, which DCP
-    writes in the header) must cover each tensor's global shape exactly once."""
+    writes in the header) must cover each tensor's global shape exactly once. With `step` and `ranks` (the
+    verifier): each shard is named for this checkpoint's step (a shard of another checkpoint is named, not
+    loaded), and a chunk sits where FSDP2 puts that rank's part (dim 0 split in `ranks` chunks of ceil(n / ranks)
+    rows): chunks swapped between ranks tile a tensor too, with its rows in each other's place."""
     chunks: dict = {}
     for file in shards:
-        found, metadata = read_header(path, file, None, scan)
+        found, metadata = read_header(path, file, None, scan, finite)
+        named = SHARD_FILE.match(os.path.basename(file))
+        if step is not None and (named is None or int(named.group(2)) != step):
+            raise CheckpointError(
+                f"Checkpoint {path}: {file} is not named as a shard of this checkpoint (shard-<rank>.step_{step}"
+                ".safetensors): a shard of another checkpoint. Resume from another checkpoint."
+            )
         try:
-            info = json.loads(metadata.get("DCP_SHARDING_INFO", "null"))
+            info = codec.loads(metadata.get("DCP_SHARDING_INFO", "null"))
             offsets = {k: info[k]["saved_offsets"] for k in found}
         except (ValueError, TypeError, KeyError):
             raise CheckpointError(
@@ -321,16 +382,32 @@ def sharded_tensors(path: str, shards: list[str], scan: bool = True) -> dict:
             off = offsets[k]
             if not (isinstance(off, list) and len(off) == len(shape) and all(type(o) is int and o >= 0 for o in off)):
                 raise CheckpointError(f"Checkpoint {path}: {file} gives {k} the offsets {str(off)[:80]}.")
-            chunks.setdefault(k, []).append((tuple(off), shape, dtype, file))
+            rank = int(named.group(1)) - 1 if named else None
+            chunks.setdefault(k, []).append((tuple(off), shape, dtype, file, rank))
     out = {}
     for k, parts in chunks.items():
-        shape = tuple(max(o[i] + s[i] for o, s, _, _ in parts) for i in range(len(parts[0][1])))
-        if len({d for _, _, d, _ in parts}) > 1 or not _tile(shape, [(o, s) for o, s, _, _ in parts]):
-            where = ", ".join(f"{list(o)} in {os.path.basename(f)}" for o, _, _, f in parts[:4])
+        shape = tuple(max(o[i] + s[i] for o, s, *_ in parts) for i in range(len(parts[0][1])))
+        where = ", ".join(f"{list(o)} in {os.path.basename(f)}" for o, _, _, f, _ in parts[:4])
+        if len({d for _, _, d, _, _ in parts}) > 1:
+            raise CheckpointError(
+                f"Checkpoint {path}: the shards of {k} hold it in different dtypes "
+                f"({', '.join(sorted({d for _, _, d, _, _ in parts}))}: {where}). Resume from another checkpoint."
+            )
+        if len({o for o, *_ in parts}) < len(parts) or not _tile(shape, [(o, s) for o, s, *_ in parts]):
             raise CheckpointError(
                 f"Checkpoint {path}: the shards of {k} do not cover it exactly once (chunks at {where}): a chunk moved "
                 "to another place, or of another tensor. Resume from another checkpoint."
             )
+        if ranks and len(parts) > 1:
+            rows = -(-shape[0] // ranks)  # FSDP2's Shard(0): torch.chunk's ceil(n / ranks) rows per rank
+            for off, size, _, file, rank in parts:
+                expected = (rank * rows,) + (0,) * (len(shape) - 1)
+                if math.prod(size) and rank is not None and off != expected:
+                    raise CheckpointError(
+                        f"Checkpoint {path}: {file} holds rank {rank}'s part of {k} at offsets {list(off)}, where "
+                        f"rank {rank}'s rows are at {list(expected)}: chunks moved between ranks. Resume from another "
+                        "checkpoint."
+                    )
         out[k] = (shape, parts[0][2])
     return out
 
