@@ -226,27 +226,40 @@ class Trainer:
         )
         # the profiler, too, stops on every way out: a failed run keeps the profile of the updates it did
         profiled = self.profiler.running(self.global_step) if self.profiler else contextlib.nullcontext()
+        # One flat loop over the run's windows (the micro-batches of one update each), handed out as the data position
+        # moves: what the run asked for, each when it is due. The time between asking for a window and getting it
+        # is the log rows' data wait.
+        windows = self.data.windows(args.gradient_accumulation_steps) if p.global_step < self.total_steps else ()
+        first = True
         with self.checkpoints.guard(), self.preemption, peers_watched, profiled:
-            for window in preflight.checked(self, self.windows()):  # micro-batches of one update; the first checked
+            asked = time.perf_counter()
+            for window in windows:
+                self.meter.waited(time.perf_counter() - asked)
+                if first:  # the recipe's hooks on the run's first batch, before its first update (preflight.py)
+                    preflight.check_first_window(self, window)
+                    first = False
                 self.update(window)
                 self.events.fire("update_end", self)
                 self.checkpoints.announce_written()
                 bar.update(1)
-                step, last = p.global_step, p.global_step >= self.total_steps
-                if step % args.logging_steps == 0 or last:
+                step = p.global_step
+                if step >= self.total_steps:
+                    self.log(bar)
+                    break
+                if step % args.logging_steps == 0:
                     self.log(bar)
                 # at an epoch's end; not for a stream, whose epochs end at other updates on each rank
-                eval_due = step % args.eval_steps == 0 if args.eval_steps else self.data.epoch_just_ended()
-                if not last and self.eval_loader is not None and eval_due:
+                if self.eval_loader is not None and (
+                    step % args.eval_steps == 0 if args.eval_steps else self.data.epoch_just_ended()
+                ):
                     with self.meter.paused():  # not update time in the log rows
                         metrics = self.evaluate()
-                if not last and args.save_steps and step % args.save_steps == 0:
+                if args.save_steps and step % args.save_steps == 0:
                     with self.meter.paused():
                         self.save_checkpoint()
-                if not last and self.preemption.agreed():  # a signal reached some rank by the previous update
+                if self.preemption.agreed():  # a signal reached some rank by the previous update
                     self.checkpoints.preempt(bar)
-                if last:
-                    break
+                asked = time.perf_counter()
         bar.close()
         with self.checkpoints.guard():  # the final checkpoint's write too (Ctrl-C while it is waited for)
             return self._finish(metrics)
@@ -311,18 +324,6 @@ class Trainer:
         # Not on a terminal (a log file, a SLURM job), a bar would flood the log: the plain line per log row stays.
         quiet = self.args.disable_tqdm or not self.accelerator.is_main_process or not sys.stderr.isatty()
         return tqdm(total=self.total_steps, initial=self.global_step, dynamic_ncols=True, desc="train", disable=quiet)
-
-    def windows(self):
-        """Accumulation windows from the current position on; the position moves as each window is handed out,
-        so a checkpoint written after the update of a window resumes right after it. The time spent here, between
-        handing out two windows, is the time spent waiting for data."""
-        if self.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
-            return
-        asked = time.perf_counter()
-        for window in self.data.windows(self.args.gradient_accumulation_steps):  # the data position moves
-            self.meter.waited(time.perf_counter() - asked)
-            yield window
-            asked = time.perf_counter()
 
     def update(self, window: list, schedule: bool = True):
         """One optimizer update over a window of micro-batches (this rank's share of the global batch; update.py).
