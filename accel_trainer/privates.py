@@ -83,6 +83,49 @@ def scaler_scale(scaler):
     return scaler._get_scale_async()
 
 
+def flag_non_finite(tensors, flag, one) -> None:
+    """Set `flag` (a 0-d float32 tensor on their device, 0.0 before) to 1.0 if any of `tensors` holds an inf or a
+    NaN, in one fused pass per dtype, on the device (no host read); `one`: a 0-d float32 1.0 there. Why private:
+    torch has this check only as torch._amp_foreach_non_finite_check_and_unscale_, what GradScaler.unscale_ runs
+    (here with a scale of 1.0, which leaves the tensors as they are); the public way, the norm
+    (torch.nn.utils.get_total_norm), launches three kernels and allocates a tensor per input."""
+    import torch
+
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
+
+
+def skips_on_device(optimizer) -> bool:
+    """Whether optimizer.step() can skip itself on the device, given GradScaler's flag (step_unless): torch's
+    fused optimizers (Adam, AdamW, SGD, Adagrad with fused=True). Why private: GradScaler asks the same
+    `_step_supports_amp_scaling` attribute; torch has no public way to ask."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_unless(optimizer, found_inf) -> None:
+    """optimizer.step(), which changes nothing (parameters, state, step counts) where `found_inf` (a 0-d float32
+    tensor on the device) is 1.0, decided on the device. Why private: it is GradScaler's protocol with the
+    optimizers of skips_on_device (the `grad_scale` and `found_inf` attributes step() reads, set around the call
+    as GradScaler._maybe_opt_step sets them); torch has no public conditional step."""
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
+def scaler_flag_non_finite(scaler, optimizer, flag) -> None:
+    """After scaler.unscale_(optimizer): count `flag` (a 0-d bool tensor: a non-finite loss) as an overflow, so that
+    scaler.step skips the step and scaler.update backs the scale off, as for an inf gradient, on the device. Why
+    private: GradScaler keeps the overflow flags unscale_ found in `_per_optimizer_states`, and has no public way to
+    add one."""
+    for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        found.add_(flag.to(found.device)).clamp_(max=1.0)  # 1.0 exactly: what a fused step's check compares with
+
+
 def foreach_mul_(tensors, factor) -> None:
     """Multiply a list of tensors in place by one factor, in one kernel launch per group. Why private: torch's
     foreach ops are only exposed as `torch._foreach_*` (documented, in beta); a Python loop is one launch each."""

@@ -68,9 +68,12 @@ class Progress:
     best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
     best_step: int | None = None
 
-    def updated(self, stepped: bool):
+    def updated(self):
         self.global_step += 1
-        self.skipped_steps += not stepped
+
+    def skipped(self):
+        """An update found skipped (update.Updater.on_skipped: when it ran, or when its outcome was read)."""
+        self.skipped_steps += 1
 
     def new_best(self, value: float):
         self.best_metric, self.best_step = value, self.global_step
@@ -155,7 +158,7 @@ class Trainer:
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
-            preemption=self.preemption, say=self.reporter.print,
+            preemption=self.preemption, on_skipped=self.progress.skipped, say=self.reporter.print,
         )  # fmt: skip
         # The manager calls back into the Trainer (its events; a log row before each save) through a weak reference:
         # a reference cycle would keep a dropped Trainer's model, optimizer and data (on a GPU, their memory) alive
@@ -239,7 +242,9 @@ class Trainer:
                     preflight.check_first_window(self, window)
                     first = False
                 self.update(window)
-                self.events.fire("update_end", self)
+                if self.events.has("update_end"):  # handlers see the step count, learning rate and skips as they are
+                    self.updater.settle()
+                    self.events.fire("update_end", self)
                 self.checkpoints.announce_written()
                 bar.update(1)
                 step = p.global_step
@@ -329,12 +334,13 @@ class Trainer:
         """One optimizer update over a window of micro-batches (this rank's share of the global batch; update.py).
         Returns the mean loss over every item of the global batch (a tensor; no host sync)."""
         done = self.updater(window, schedule=schedule)
-        self.progress.updated(done.stepped)
+        self.progress.updated()
         self.log_window.record(done, window, self.updater.micro_losses, self.micro_batches_per_epoch)
         return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
         """One metrics.jsonl row for the updates since the last log (logwindow.py: the only host sync of the loop)."""
+        self.updater.settle()  # the last update's outcome, if only the device knew it yet
         metrics = self.log_window.row()
         if metrics is None:
             return None
@@ -365,6 +371,7 @@ class Trainer:
     def evaluate(self, final: bool = False) -> dict:
         """Loss and metrics over the whole eval split (evaluation.py), then the evaluate_end event's extras; logged,
         and the best model kept with --metric_for_best_model."""
+        self.updater.settle()  # handlers may read the step count, the learning rate, the skips
         results: dict = {}
         if self.eval_loader is not None:
             results = evaluation.evaluate(self.accelerator, self.recipe, self.ctx, self.eval_model, self.eval_loader)
@@ -409,7 +416,9 @@ class Trainer:
         """One optimizer update on one batch (fetched if not given). Returns its loss (NaN for a skipped one)."""
         self._debug.before_update(self)
         self.model.train()
-        return float(self.update([batch if batch is not None else self.fetch_batch()], schedule=schedule))
+        loss = self.update([batch if batch is not None else self.fetch_batch()], schedule=schedule)
+        self.updater.settle()
+        return float(loss)
 
     def overfit_batch(self, steps: int = 100, batch=None) -> list[float]:
         """Train repeatedly on one batch at the current learning rate (the schedule is held): the loss should go
