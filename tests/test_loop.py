@@ -244,3 +244,21 @@ def test_nan_skip_logs_the_mean_of_the_finite_losses_of_a_window(tmp_path):
     event = t.log()
     assert event["step"] == 4 and event["skipped_steps"] == 2
     assert event["loss"] == pytest.approx((losses[1] + losses[3]) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("workers, pinned", [(0, False), (2, True)])
+def test_on_a_gpu_machine_batches_are_pinned_by_the_workers_only(tmp_path, monkeypatch, workers, pinned):
+    # Pinning pays where the DataLoader's pin thread does it beside the workers; without workers it would be one
+    # more host copy of every batch on the training thread, before the copy to the GPU.
+    from accel_trainer import TrainingArguments, loaders
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    prepared = []
+    accelerator = types.SimpleNamespace(
+        prepare_data_loader=lambda loader, device_placement: prepared.append(loader) or loader,
+        device=torch.device("cpu"), num_processes=1, process_index=0,
+    )  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path), dataloader_num_workers=workers)
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 2))
+    loaders.build_loaders({"train": data, "eval": data}, args, accelerator, "pinned")
+    assert [loader.pin_memory for loader in prepared] == [pinned, pinned]
