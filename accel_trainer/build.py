@@ -68,6 +68,7 @@ def prepare(recipe, ctx, model) -> Prepared:
     (model, optimizer, scheduler), info = sharding.prepare_sharded(
         acc, model, optimizer, scheduler, wrap=recipe.fsdp_wrap
     )
+    precision.own_autocast_forward(acc, model)  # before the EMA's copy: a forward that does not hold the model
     ema = None
     if args.ema_decay > 0:  # of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names
         plain = acc.unwrap_model(model, keep_torch_compile=False)

@@ -37,7 +37,7 @@ import torch
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
-from . import privates
+from . import precision, privates
 from .micro_batch import Agreed, MicroBatches, sample_count
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
@@ -91,6 +91,7 @@ class Updater:
         self.reference = None  # K: the previous update's items per rank (a tensor; None: not known yet)
         self.grad_norm = None
         self._one = torch.ones((), device=accelerator.device)  # the unit scale of the gradient check (_checked)
+        self.autocast = precision.update_autocast(accelerator)  # None in fp32
         self.pending = None  # (stepped flag on the device, schedule) of an update whose outcome is not read yet
         self.micro_losses: list = []  # the last update's per-micro-batch losses, detached (nan_batch.py)
         self.repeats_at = None  # the index in the window of a batch of repeats alone (__call__)
@@ -166,14 +167,14 @@ class Updater:
         self.micro_losses = []
         by_items = self.weighted or self.micro.splits  # a cut loader batch is several micro-batches
         if not by_items:  # one micro-batch on one process: its mean is the update's, as it is
-            loss, n = self.loss(self.model, window[0])
+            loss, n = self.loss(self.model, window[0]) if self.autocast is None else self._autocast_loss(window[0])
             self.micro_losses.append(loss.detach())  # which micro-batch was not finite, read only if one was
             self._backward(loss)
             return self.micro_losses[0], n  # no kernels to weigh it
         for i, batch in enumerate(window):
             last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
             with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
-                loss, n = self.loss(self.model, batch)
+                loss, n = self.loss(self.model, batch) if self.autocast is None else self._autocast_loss(batch)
                 if origin[i] == self.repeats_at:
                     n = n * 0
                 detached = loss.detach()
@@ -206,6 +207,12 @@ class Updater:
             loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
             self._to_mean(n_sum, self.accelerator.num_processes)
         return (loss_sum / n_sum).detach(), n_sum
+
+    def _autocast_loss(self, batch):
+        """The recipe's loss in mixed precision: its forward and loss under the run's autocast, as a hand-written
+        mixed-precision loop runs them (the model's forward then adds nothing: precision.AutocastForward)."""
+        with self.autocast:
+            return self.loss(self.model, batch)
 
     def _clip(self):
         """Clip the gradients to --max_grad_norm; returns the norm before clipping (a tensor, no host sync)."""

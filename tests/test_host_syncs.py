@@ -11,6 +11,7 @@ as `earlier`, and it must come after the backward."""
 
 import copy
 import sys
+import types
 import weakref
 from collections import Counter
 
@@ -171,3 +172,59 @@ def hand_written_update(model, opt, sched, batch, clip):
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
+
+
+class HiddenToo(torch.nn.Module):
+    """The regression model returning its hidden features beside its prediction, as a transformers model returns
+    hidden states or logits beside its loss: outputs a loss may never read."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.body, self.head = model[:3], model[3:]
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return self.head(hidden), hidden
+
+
+def prediction_loss(model, batch):
+    prediction, _ = model(batch["x"])
+    err = (prediction.float() - batch["y"]) ** 2 * batch["mask"]
+    n = batch["mask"].sum()
+    return err.sum() / n.clamp(min=1), n
+
+
+def test_a_bf16_update_casts_what_a_hand_written_autocast_loop_does(tmp_path):
+    # A hand-written mixed-precision loop runs its forward and loss under autocast; Accelerate's forward wrapper
+    # also cast every half-precision output to fp32 (and back in the backward), those the loss never reads too.
+    recipe = Recipe(name="hidden", Args=regression.Args, build_model=lambda ctx: HiddenToo(regression.build_model(ctx)),
+                    build_data=regression.build_data, loss=prediction_loss)  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path / "bf16"), max_steps=10, learning_rate=1e-2, save_steps=0,
+                             per_device_train_batch_size=16, disable_tqdm=True, lr_scheduler_type="constant",
+                             mixed_precision="bf16")  # fmt: skip
+    t = Trainer(recipe, args, regression.Args(dropout=0.0), quiet=True)
+    model = copy.deepcopy(t.unwrapped_model)
+    model.forward = types.MethodType(HiddenToo.forward, model)  # the copy's own forward, not the Trainer's
+    opt = default_optimizer(model, t.args)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+    def by_hand(batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = prediction_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.args.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    batches = [t.fetch_batch() for _ in range(3)]
+    t.model.train()
+    counts = {}
+    for name, update in (("trainer", lambda batch: t.update([batch])), ("hand-written", by_hand)):
+        update(batches[0])
+        update(batches[1])
+        with Ops() as ops:
+            update(batches[2])
+        counts[name] = ops.counts
+    assert dict(counts["trainer"] - counts["hand-written"]) == {"detach": 1}
+    assert not counts["hand-written"] - counts["trainer"]
