@@ -9,7 +9,6 @@ bf16 on an AVX2-only CPU, which has no bf16 arithmetic (oneDNN converts every va
 from __future__ import annotations
 
 import weakref
-from types import MethodType
 
 import torch
 from accelerate.utils import convert_to_fp32
@@ -135,17 +134,12 @@ class AutocastForward:
 def own_autocast_forward(accelerator, model) -> bool:
     """After prepare(): Accelerate's bf16/fp16 forward on the model replaced by an AutocastForward; False where it put
     none, or another (fp8 backends wrap it again), which stays as it is."""
-    from accelerate.utils.operations import ConvertOutputsToFp32
-
     if accelerator.mixed_precision not in ("bf16", "fp16"):
         return False
     module = accelerator.unwrap_model(model, keep_torch_compile=False)
-    patched, original = module.__dict__.get("forward"), module.__dict__.get("_original_forward")
-    ours = isinstance(patched, MethodType) and isinstance(getattr(patched.__func__, "__wrapped__", None),
-                                                          ConvertOutputsToFp32)  # fmt: skip
-    if not (ours and isinstance(original, MethodType) and original.__self__ is module):
+    original = privates.take_autocast_forward(module)
+    if original is None:
         return False
-    del module._original_forward
     module.forward = AutocastForward(module, original.__func__, update_autocast(accelerator))
     return True
 

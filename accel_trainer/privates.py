@@ -52,6 +52,26 @@ def prepared(acc) -> dict:
     }
 
 
+def take_autocast_forward(module):
+    """The forward that Accelerate's prepare() wrapped in its bf16/fp16 autocast forward on `module` (a method
+    bound to it), taken off the module (`_original_forward` removed; the wrapper stays until replaced), or None where
+    prepare() put no such wrapper (fp32, or another wrapper on top of it, as fp8 backends put). Why private:
+    Accelerate keeps the original forward as `module._original_forward` and recognises its wrapper by
+    `ConvertOutputsToFp32`; its public unwrap_model(keep_fp32_wrapper=False) restores the original but also unwraps
+    DDP and compiled models, which the Trainer keeps."""
+    from types import MethodType
+
+    from accelerate.utils.operations import ConvertOutputsToFp32
+
+    wrapper, original = module.__dict__.get("forward"), module.__dict__.get("_original_forward")
+    ours = isinstance(wrapper, MethodType) and isinstance(getattr(wrapper.__func__, "__wrapped__", None),
+                                                           ConvertOutputsToFp32)  # fmt: skip
+    if not (ours and isinstance(original, MethodType) and original.__self__ is module):
+        return None
+    del module._original_forward
+    return original
+
+
 def fsdp_state_dict_options(plugin):
     """The state-dict options (full or sharded, CPU offload) that save_fsdp_model/save_fsdp_optimizer derive from
     the FSDP plugin. Why private: accelerate.utils.fsdp_utils._prepare_sd_options is the only statement of those

@@ -71,6 +71,21 @@ def check_mark_partial_state_fsdp(accelerator):
     assert AcceleratorState().distributed_type == DistributedType.FSDP  # re-read from PartialState's shared state
 
 
+def check_take_autocast_forward(accelerator):
+    from accelerate import Accelerator
+
+    privates.reset_accelerate_state()
+    try:
+        model = Accelerator(cpu=True, mixed_precision="bf16").prepare(torch.nn.Linear(2, 2))
+        original = privates.take_autocast_forward(model)
+        assert original is not None and original.__func__ is torch.nn.Linear.forward and original.__self__ is model
+        assert "_original_forward" not in model.__dict__
+        assert model(torch.ones(1, 2)).dtype == torch.float32  # Accelerate's wrapper itself stays until replaced
+        assert privates.take_autocast_forward(torch.nn.Linear(2, 2)) is None  # no wrapper: nothing to take
+    finally:
+        privates.reset_accelerate_state()
+
+
 def check_fsdp_state_dict_options(accelerator):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
