@@ -72,6 +72,26 @@ def take_autocast_forward(module):
     return original
 
 
+def step_patch_without_cycle(optimizer) -> None:
+    """Under fp16, Accelerate's optimizer wrapper (AcceleratedOptimizer) keeps its step patched to mark that the step
+    ran (how it tells a step GradScaler skipped) as a closure over the wrapper itself: the wrapper referred to itself,
+    so a dropped Trainer's optimizer (the model's weights and their state) lived until Python's next full garbage
+    collection. Replaced by the same patch holding the wrapper by a weak reference; nothing where there is none (no
+    scaler). Why private: the patch is Accelerate's `_optimizer_patched_step_method`, over
+    `_optimizer_original_step_method`, setting `_accelerate_step_called`; no public API sets them."""
+    import weakref
+
+    if getattr(optimizer, "_optimizer_patched_step_method", None) is None:
+        return
+    wrapper, step = weakref.ref(optimizer), optimizer._optimizer_original_step_method
+
+    def patched_step(*args, **kwargs):
+        wrapper()._accelerate_step_called = True
+        return step(*args, **kwargs)
+
+    optimizer._optimizer_patched_step_method = patched_step
+
+
 def fsdp_state_dict_options(plugin):
     """The state-dict options (full or sharded, CPU offload) that save_fsdp_model/save_fsdp_optimizer derive from
     the FSDP plugin. Why private: accelerate.utils.fsdp_utils._prepare_sd_options is the only statement of those

@@ -86,6 +86,28 @@ def check_take_autocast_forward(accelerator):
         privates.reset_accelerate_state()
 
 
+def check_step_patch_without_cycle(accelerator):
+    import gc
+    import weakref
+
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    wrapped = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False, scaler=scaler)
+    privates.step_patch_without_cycle(wrapped)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    wrapped.step()  # Accelerate's fp16 step through the patch: the step ran, so it was not skipped
+    assert not wrapped.step_was_skipped and wrapped.optimizer.step == wrapped._optimizer_original_step_method
+    dropped = weakref.ref(wrapped)
+    gc.disable()
+    try:
+        del wrapped
+        assert dropped() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
 def check_fsdp_state_dict_options(accelerator):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType

@@ -287,7 +287,8 @@ def test_a_dropped_trainer_frees_its_model_at_once(tmp_path, precision):
     alone frees them when nothing points back at the Trainer: with checkpoints (written in the background where torch
     can), EMA, the profiler, evaluation and metrics on, and the automatic collection off. In mixed precision too,
     where Accelerate's autocast forward (a method of the model bound to itself) made every model refer to itself
-    (bf16 here; fp16 takes the same path on a GPU)."""
+    (bf16 here; under fp16, a GPU's, the optimizer wrapper referred to itself too: tests/test_privates.py's
+    step_patch_without_cycle)."""
     import gc
     import weakref
 
