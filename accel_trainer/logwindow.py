@@ -51,8 +51,8 @@ class LogWindow:
         # finiteness tests and the mean are arithmetic on the list, not tensor ops.
         values = host_floats([update[0] for update in window] + [window[i][1] for i in checked] + pending)
         losses, n = values[: len(window)], len(window)
-        bad = (lambda v: v != 0.0) if self.flags else (lambda v: not math.isfinite(v))
-        bad_gradients = {i: v for i, v in zip(checked, values[n : n + len(checked)]) if bad(v)}
+        checks = zip(checked, values[n : n + len(checked)])
+        bad_gradients = {i: v for i, v in checks if (v != 0.0 if self.flags else not math.isfinite(v))}
         all_finite = all(map(math.isfinite, losses))
         if checked and (bad_gradients or not all_finite):
             self._stop_if_not_finite(losses, bad_gradients)

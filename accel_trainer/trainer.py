@@ -243,7 +243,8 @@ class Trainer:
                     first = False
                 self.update(window)
                 if self.events.has("update_end"):  # handlers see the step count, learning rate and skips as they are
-                    self.updater.settle()
+                    if self.updater.pending is not None:
+                        self.updater.settle()
                     self.events.fire("update_end", self)
                 self.checkpoints.announce_written()
                 bar.update(1)

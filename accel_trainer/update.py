@@ -124,8 +124,12 @@ class Updater:
         self.meter.updated(samples, n_sum)
         grad_norm = self._clip() if self.max_grad_norm > 0 else None
         checked = self._checked(grad_norm)
-        self.settle()  # the previous update's outcome, before this step (its scheduler step comes first)
-        stepped = self._step_if_finite(loss_mean, checked) if self.nan_policy == "skip" else self._optimizer_step()
+        flag = checked is not None and grad_norm is None and self.plain_torch  # a flag, not a norm (_checked)
+        if self.pending is not None:  # the previous update's outcome, before this step (its scheduler step first)
+            self.settle()
+        stepped = (
+            self._step_if_finite(loss_mean, checked, flag) if self.nan_policy == "skip" else self._optimizer_step()
+        )
         if stepped is not True and stepped is not False:  # a device flag
             if self.ema is None:
                 self.pending = (stepped, schedule)
@@ -140,7 +144,7 @@ class Updater:
             self.on_skipped()
         self.inner_opt.zero_grad(set_to_none=True)
         self.grad_norm = grad_norm
-        return Result(loss_mean, grad_norm, checked, stepped, checked is not None and self.checks_a_flag())
+        return Result(loss_mean, grad_norm, checked, stepped, flag)
 
     def settle(self):
         """Read the pending update's outcome: its scheduler step if it stepped, on_skipped() if not. Called by the
@@ -255,18 +259,14 @@ class Updater:
             grad_norm = grad_norm.full_tensor()
         return grad_norm
 
-    def checks_a_flag(self) -> bool:
-        """Whether _checked gives a flag (1.0: not finite) rather than a norm (not finite)."""
-        return self.accelerator.scaler is None and self.max_grad_norm <= 0 and self.plain_torch
-
-    def _step_if_finite(self, loss_mean, checked):
+    def _step_if_finite(self, loss_mean, checked, flag: bool):
         """--nan_policy skip: the step, unless the loss or the gradients are not finite; then the update changes
         nothing (no step, no schedule, no EMA) and is counted as skipped. Skipped on the device where it can be:
         under fp16 the scaler skips it (and backs its scale off) as it does an overflow; an optimizer that takes
         GradScaler's skip flag (torch's fused ones) skips it itself. Any other reads the flag (a host sync)."""
         finite = torch.isfinite(loss_mean)
         if checked is not None:
-            finite = finite & (checked == 0 if self.checks_a_flag() else torch.isfinite(checked))
+            finite = finite & (checked == 0 if flag else torch.isfinite(checked))
         scaler = self.accelerator.scaler
         if self.plain_torch and scaler is not None:
             if self.max_grad_norm <= 0:  # clipping unscaled already; the scaler's flags exist from here on
