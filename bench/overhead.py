@@ -54,7 +54,9 @@ through the Accelerator) and hf (transformers.Trainer, given the same optimizer 
 (Lockstep: the four loops in one process, one update each in turn), so that every update of a row is paired with
 its neighbours of the others under the same load; then, each row in a run of its own, the aten ops and the Python
 calls per update, and which ops a row dispatches more often than plain+. With --instructions, each row's CPU
-instructions per update instead (callgrind).
+instructions per update instead (callgrind). Lockstep times a CPU run: on a GPU the rows share the device's stream,
+so a row that waits for the GPU (a read, a copy from pageable memory) waits for the kernels the row before it
+queued; there the counts stand, and the default mode (whole runs in turn) gives the times.
 
 The last line, `RESULT {...}`, is the same as JSON (bench/gpu.py's overhead row reads it).
 """
