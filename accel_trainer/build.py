@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from . import precision, sharding, shards
+from . import precision, privates, sharding, shards
 from .errors import UserError
 from .optim import default_optimizer, default_scheduler
 from .runlog import library_versions, topology
@@ -68,6 +68,10 @@ def prepare(recipe, ctx, model) -> Prepared:
     (model, optimizer, scheduler), info = sharding.prepare_sharded(
         acc, model, optimizer, scheduler, wrap=recipe.fsdp_wrap
     )
+    # No prepared object may refer to itself: a dropped Trainer's model and optimizer must go at once (their memory,
+    # on a GPU), not at Python's next full collection. Before the EMA's copy: a forward that does not hold the model.
+    precision.own_autocast_forward(acc, model)
+    privates.step_patch_without_cycle(optimizer)  # fp16's optimizer wrapper
     ema = None
     if args.ema_decay > 0:  # of the plain module: of the compiled wrapper it would hold (and save) `_orig_mod.` names
         plain = acc.unwrap_model(model, keep_torch_compile=False)

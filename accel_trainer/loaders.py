@@ -5,9 +5,9 @@
     check_lengths_agree    every rank's loaders give the same number of batches (one gather at start-up)
     take, draw             --max_train_samples (the first N) / --max_eval_samples (N drawn with --seed)
     epoch_batches          one epoch of the train loader from a batch on (a resumed run skips what it has seen)
-    MapPosition            where the run is in map-style data: windows from there, its state_dict, the run length
+    MapPosition            where the run is in map-style data: the micro-batches of each optimizer update from
+                           there (aligned to epoch starts), its state_dict, the run length
     last_batch_rows        the samples in each rank's last batch of an epoch (Accelerate pads it with repeats)
-    accumulation_windows   the micro-batches of each optimizer update, aligned to epoch starts
 
 A stream (an iterable train dataset) is read through streaming.py's per-rank loader; everything else through the
 recipe's own batch loader or a DataLoader that Accelerate shards over the processes.
@@ -16,6 +16,7 @@ recipe's own batch loader or a DataLoader that Accelerate shards over the proces
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -94,7 +95,10 @@ def build_loaders(data: dict, args, accelerator, recipe_name: str):
                 num_workers=args.dataloader_num_workers,
                 batch_size=batch_size,
                 drop_last=drop_last,
-                pin_memory=torch.cuda.is_available(),  # copied with non_blocking (accel.py's DataLoaderConfiguration)
+                # Pinned by the DataLoader's pin thread when workers load the batches, then copied with non_blocking
+                # (accel.py's DataLoaderConfiguration). Without workers the training thread would pin each batch
+                # itself, one more host copy on the thread a GPU waits for: not worth what the copy saves.
+                pin_memory=torch.cuda.is_available() and args.dataloader_num_workers > 0,
                 # Own generator: creating an iterator must not draw from the global RNG (dropout's), or a
                 # resumed run would see other random numbers than the uninterrupted one.
                 generator=torch.Generator().manual_seed(args.seed),
@@ -243,6 +247,7 @@ class MapPosition:
         self.loader, self.accelerator = loader, accelerator
         self.epoch = self.batch_in_epoch = 0
         self.batches_per_epoch: int | None = None
+        self._batches = None  # the current epoch's batches from the position on (next_window)
         self.last_rows = last_batch_rows(loader)  # each rank's samples in an epoch's last batch (None: all full)
         sharded = self.last_rows is not None and accelerator.num_processes > 1  # Accelerate's repeats fill them up
         self.tail_rows = self.last_rows[accelerator.process_index] if sharded else None
@@ -263,12 +268,32 @@ class MapPosition:
         return micro_batches, updates, total
 
     def windows(self, accumulation: int):
-        L = self.batches_per_epoch
-        for epoch, position, window in accumulation_windows(
-            self.batches, L, accumulation, self.epoch, self.batch_in_epoch
-        ):
-            self.epoch, self.batch_in_epoch = (epoch + 1, 0) if position == L else (epoch, position)
-            yield self._without_repeats(window) if position == L and self.tail_rows is not None else window
+        """The windows from the position on, each handed out by next_window: an iterator that calls it, with no
+        generator frame of its own to resume per window."""
+        self._batches = None  # from the position as it is now (after a resume, or a notebook's rewind)
+        return iter(functools.partial(self.next_window, accumulation), None)
+
+    def next_window(self, accumulation: int) -> list:
+        """The micro-batches of the next update, the position moved past them (a checkpoint written after their
+        update resumes right after them): `accumulation` of them, aligned to the start of every epoch (an epoch's
+        last window may be shorter). The number of updates was computed from len(), so an epoch that yields fewer
+        batches is an error, not a silent re-run of the epoch; one that yields more is read up to len()."""
+        per_epoch, start = self.batches_per_epoch, self.batch_in_epoch
+        if self._batches is None:  # an epoch's first window, or the first from a resumed position
+            self._batches = self.batches(self.epoch, start)
+        wanted = min(accumulation, per_epoch - start)
+        window = list(itertools.islice(self._batches, wanted))
+        if len(window) < wanted:
+            raise ShortEpochError(
+                f"The train loader yielded {start + len(window)} batches in epoch {self.epoch} but its len() is "
+                f"{per_epoch}: the number of updates and the schedule are computed from len(). Make __len__ match "
+                "what __iter__ yields (after set_epoch)."
+            )
+        if start + wanted < per_epoch:
+            self.batch_in_epoch = start + wanted
+            return window
+        self.epoch, self.batch_in_epoch, self._batches = self.epoch + 1, 0, None
+        return window if self.tail_rows is None else self._without_repeats(window)
 
     def _without_repeats(self, window: list) -> list:
         """An epoch's last window, its last batch cut to this rank's real samples: Accelerate fills the ranks' last
@@ -292,7 +317,7 @@ class MapPosition:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
 
     def load_state_dict(self, state: dict):
-        self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
+        self.epoch, self.batch_in_epoch, self._batches = state["epoch"], state["batch_in_epoch"], None
 
     def save_rank_files(self, folder: str, step: int):
         pass
@@ -324,28 +349,3 @@ def last_batch_rows(loader) -> list[int] | None:
     first = (len(loader) - 1) * ranks * b  # the first sample of the epoch's last global batch
     rows = [min(max(n - first - r * b, 0), b) for r in range(ranks)]
     return None if all(k == b for k in rows) else rows
-
-
-def accumulation_windows(epoch_batches, batches_per_epoch: int, accumulation: int, epoch: int = 0, start: int = 0):
-    """Yield (epoch, next_batch, window) forever: lists of `accumulation` micro-batches, aligned to the start of
-    every epoch (its last window may be shorter), beginning at batch `start` of `epoch` (a resumed run).
-    `epoch_batches(epoch, skip)` iterates one epoch from batch `skip`. `next_batch` is the position after the
-    window; it equals `batches_per_epoch` at an epoch's last window. The number of updates was computed from
-    `batches_per_epoch`, so an epoch that yields fewer batches is an error, not a silent re-run of the epoch."""
-    while True:
-        window, position = [], start
-        for batch in epoch_batches(epoch, start):
-            window.append(batch)
-            position += 1
-            if len(window) == accumulation or position == batches_per_epoch:
-                yield epoch, position, window
-                window = []
-            if position == batches_per_epoch:
-                break
-        else:
-            raise ShortEpochError(
-                f"The train loader yielded {position} batches in epoch {epoch} but its len() is {batches_per_epoch}: "
-                "the number of updates and the schedule are computed from len(). Make __len__ match what __iter__ "
-                "yields (after set_epoch)."
-            )
-        epoch, start = epoch + 1, 0

@@ -1,7 +1,7 @@
 """The log window: the updates since the last metrics row, and the row made of them.
 
-A row is the loop's only host sync: the window's losses (and, with --nan_policy stop, the gradient norms it checks)
-are read in one call (throughput.host_floats). With --nan_policy stop the window also keeps which batch each update
+A row is the loop's only host sync: the window's losses (and, with --nan_policy stop, what each update measured of its
+gradients: the norm, or a flag without clipping) are read in one call (throughput.host_floats). With --nan_policy stop the window also keeps which batch each update
 saw (nan_batch.Tracker), so that the first non-finite update stops the run with one line naming its batch.
 """
 
@@ -24,13 +24,15 @@ class LogWindow:
     def __init__(self, args, accelerator, data, train_loader, scheduler, progress):
         self.args, self.accelerator, self.data = args, accelerator, data
         self.train_loader, self.scheduler, self.progress = train_loader, scheduler, progress
-        self.updates: list = []  # (loss tensor, grad norm, step, stepped) per update since the last row
+        self.updates: list = []  # (loss, checked, grad norm, step, stepped) per update since the last row
+        self.flags = False  # the updates' `checked` are flags (1.0: not finite), not norms (update.Result)
         self.batches = nan_batch.Tracker(keep_batches=data.per_rank)  # --nan_policy stop: which batch
 
     def record(self, done, window: list, micro_losses, micro_batches_per_epoch: int | None):
         """One update's result (update.py's); with --nan_policy stop, the batch it saw, should the row find a
         non-finite value."""
-        self.updates.append((done.loss, done.grad_norm, self.progress.global_step, done.stepped))
+        self.updates.append((done.loss, done.checked, done.grad_norm, self.progress.global_step, done.stepped))
+        self.flags = done.checked_is_flag
         if self.args.nan_policy == "stop":
             self.batches.record(micro_losses, window, self.data, micro_batches_per_epoch)
 
@@ -41,23 +43,27 @@ class LogWindow:
         if not self.updates:
             return None
         window, args = self.updates, self.args
-        # --nan_policy stop checks the updates' gradient norms with their losses.
-        stop = args.nan_policy == "stop"
-        checked = [i for i, (_, g, _, stepped) in enumerate(window) if g is not None and stepped] if stop else []
+        # --nan_policy stop checks what each update measured of its gradients with its loss (none under fp16).
+        checked = [i for i, update in enumerate(window) if update[1] is not None] if args.nan_policy == "stop" else []
+        last_stepped = window[-1][4]  # a device flag where only the device knew (fp16, --nan_policy skip)
+        pending = [] if isinstance(last_stepped, bool) else [last_stepped]
         # The window's values as Python floats in one call (no host sync per value on an accelerator); the
-        # finiteness test and the mean are arithmetic on the list, not tensor ops.
-        values = host_floats([v for v, *_ in window] + [window[i][1] for i in checked])
-        losses = values[: len(window)]
-        all_finite = all(map(math.isfinite, values))
-        if not all_finite and stop:
-            self._stop_if_not_finite(losses, dict(zip(checked, values[len(window) :])))
+        # finiteness tests and the mean are arithmetic on the list, not tensor ops.
+        values = host_floats([update[0] for update in window] + [window[i][1] for i in checked] + pending)
+        losses, n = values[: len(window)], len(window)
+        checks = zip(checked, values[n : n + len(checked)])
+        bad_gradients = {i: v for i, v in checks if (v != 0.0 if self.flags else not math.isfinite(v))}
+        all_finite = all(map(math.isfinite, losses))
+        if checked and (bad_gradients or not all_finite):
+            self._stop_if_not_finite(losses, bad_gradients)
         finite = losses if all_finite else [v for v in losses if math.isfinite(v)]  # --nan_policy skip: those
         metrics = {
             "loss": sum(finite) / len(finite) if finite else math.nan,
             "learning_rate": self.scheduler.get_last_lr()[0],
         }
-        if args.max_grad_norm > 0 and window[-1][1] is not None:  # the last update's norm, when clipping
-            metrics["grad_norm"] = float(window[-1][1])
+        stepped = bool(values[-1]) if pending else last_stepped
+        if args.max_grad_norm > 0 and window[-1][2] is not None and stepped:  # the last update's norm, when clipping
+            metrics["grad_norm"] = float(window[-1][2])
         scaler = self.accelerator.scaler
         if scaler is not None:
             metrics["loss_scale"] = scaler.get_scale()
@@ -71,16 +77,20 @@ class LogWindow:
         self.updates = []
         self.batches.clear()
 
-    def _stop_if_not_finite(self, losses, norms: dict):
-        """--nan_policy stop: the first update of the window whose loss, or whose gradient norm (`norms`: index in
-        the window -> norm; a finite loss can have NaN/inf gradients, which the step turns into NaN weights), is not
-        finite stops the run."""
+    def _stop_if_not_finite(self, losses, bad_gradients: dict):
+        """--nan_policy stop: the first update of the window whose loss, or whose gradients (`bad_gradients`: index
+        in the window -> the norm, or the flag; a finite loss can have NaN/inf gradients, which the step turns into
+        NaN weights), are not finite stops the run."""
         for first, loss in enumerate(losses):
-            norm = norms.get(first, 0.0)
-            if math.isfinite(loss) and math.isfinite(norm):
+            if math.isfinite(loss) and first not in bad_gradients:
                 continue
-            what = f"Loss is {loss}" if not math.isfinite(loss) else f"The gradient norm is {norm} (loss {loss:.4g})"
-            step = self.updates[first][2]
+            if not math.isfinite(loss):
+                what = f"Loss is {loss}"
+            elif self.flags:
+                what = f"A gradient is not finite (loss {loss:.4g})"
+            else:
+                what = f"The gradient norm is {bad_gradients[first]} (loss {loss:.4g})"
+            step = self.updates[first][3]
             where = nan_batch.describe(
                 self.batches, first, step, loader=self.train_loader, stream=self.data.per_rank,
                 accelerator=self.accelerator, output_dir=self.args.output_dir,

@@ -59,14 +59,14 @@ class MicroBatches:
         self.accumulation = args.gradient_accumulation_steps
         self.accelerator, self.say = accelerator, say
         self.size: int | None = None  # None: the loader's batches as they come
+        self.splits = False  # whether loader batches are cut (size below the batch size): set by _resize
         self.voted = False  # this attempt's vote was cast (update.py sets it): an error after it cannot be agreed
         if self.enabled and accelerator.distributed_type == DistributedType.FSDP:
             # FSDP reduce-scatters in every backward of a window: a rank that fails leaves the others there.
             raise UserError("--auto_micro_batch is not supported under FSDP yet: set the micro-batch by hand.")
 
-    @property
-    def splits(self) -> bool:
-        return self.size is not None and self.size < self.batch_size
+    def _resize(self, size: int):
+        self.size, self.splits = size, size < self.batch_size
 
     @property
     def waits(self) -> bool:
@@ -124,7 +124,7 @@ class MicroBatches:
                 " nothing is left to halve. Lower the memory one sample needs (--gradient_checkpointing, "
                 "--mixed_precision bf16, a shorter sequence, a smaller model) or use a device with more memory."
             )
-        self.size = math.ceil(size / 2)
+        self._resize(math.ceil(size / 2))
         if updater.ddp is not None:
             # The ranks that did not fail ran the last micro-batch's forward with gradient sync on: DDP then expects
             # that backward, and would all-reduce in the next no_sync backward. Forgotten on every rank alike (it
@@ -178,7 +178,7 @@ class MicroBatches:
                 "not written by this Trainer. Set it to null (the loader's batch) or to the size to resume with."
             )
         if size is not None and size < self.batch_size:
-            self.size = size
+            self._resize(size)
             self.say(
                 f"micro-batch size {self.size} (halved by --auto_micro_batch in the checkpoint's run), "
                 f"{self.accumulation_now()} micro-batches per update."
@@ -191,7 +191,7 @@ def sample_count(batch) -> int | None:
     else, e.g. a column of strings that a recipe's loss tokenizes itself."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else None
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    values = batch if isinstance(batch, (list, tuple)) else batch.values() if isinstance(batch, Mapping) else ()
     for value in values:
         n = sample_count(value)
         if n is not None:

@@ -1,5 +1,6 @@
 """Which mixed precision a device runs fast, asked of torch at run time: the one place where a default precision
 is chosen from the hardware (recipes/cifar.py's presets, the wizard's offer, the fp8 check of build_accelerator).
+And how a prepared model runs in the run's mixed precision (AutocastForward, update_autocast).
 
 Never from what the machine that wrote the code had: a preset tuned on a CPU with AVX512-BF16 ran many times
 slower in bf16 on an AVX2-only CPU (docs/cifar.md), which has no bf16 arithmetic (oneDNN converts every value to
@@ -8,7 +9,10 @@ fp32 and back).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from accelerate.utils import convert_to_fp32
 
 from . import privates
 from .errors import UserError
@@ -95,3 +99,57 @@ def check_fp8_layers(model, backend: str) -> dict:
             "--mixed_precision bf16, or a model with such layers."
         )
     return counts
+
+
+# ------------------------------------------------------------------------------------------- autocast forward
+class AutocastForward:
+    """A prepared model's forward in bf16/fp16: the model's own forward under the run's autocast, its half-precision
+    outputs returned in fp32, as Accelerate's prepare() makes it (evaluation, a handler's or a notebook's own call
+    of the model), with two differences.
+
+    It holds the model by a weak reference. Accelerate's is a method bound to the model and stored on it (with
+    `_original_forward`, another), so every model referred to itself, and a dropped Trainer's model (on a GPU, its
+    memory) lived on until Python's next full garbage collection, under the next Trainer of a notebook or a sweep.
+
+    Inside an autocast region it adds nothing. The update runs the recipe's loss under the run's autocast
+    (update_autocast), as a hand-written mixed-precision loop runs its forward and loss: autocast's own rules then
+    cast what each op needs (a loss in fp32), and no output the loss may never read is cast to fp32 (a language
+    model's logits beside its loss)."""
+
+    def __init__(self, module, forward, autocast):
+        self.module, self.forward, self.autocast = weakref.ref(module), forward, autocast
+
+    def __call__(self, *args, **kwargs):
+        module = self.module()
+        if torch.is_autocast_enabled(self.autocast.device):
+            return self.forward(module, *args, **kwargs)
+        with self.autocast:
+            out = self.forward(module, *args, **kwargs)
+        return convert_to_fp32(out)
+
+    def __deepcopy__(self, memo):  # a copy of the model (the EMA's) runs its own weights
+        module = self.module()
+        return AutocastForward(memo.get(id(module), module), self.forward, self.autocast)
+
+
+def own_autocast_forward(accelerator, model) -> bool:
+    """After prepare(): Accelerate's bf16/fp16 forward on the model replaced by an AutocastForward; False where it put
+    none, or another (fp8 backends wrap it again), which stays as it is."""
+    if accelerator.mixed_precision not in ("bf16", "fp16"):
+        return False
+    module = accelerator.unwrap_model(model, keep_torch_compile=False)
+    original = privates.take_autocast_forward(module)
+    if original is None:
+        return False
+    module.forward = AutocastForward(module, original.__func__, update_autocast(accelerator))
+    return True
+
+
+def update_autocast(accelerator):
+    """The run's autocast, as Accelerate builds it for its forward (a torch.autocast to enter around a forward and
+    its loss), or None in fp32."""
+    from accelerate.utils import get_mixed_precision_context_manager
+
+    if not accelerator.native_amp:
+        return None
+    return get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)

@@ -6,8 +6,8 @@ Why before: a metric that cannot take the recipe's predictions otherwise fails a
 training (the whole run for a 1-epoch run), with a traceback that prints both tensors; a loss of the wrong shape
 fails deep inside update.py.
 
-How: `checked(trainer, windows)` takes the first window the training loop would take anyway (nothing extra is read
-from the data, the loader's order is untouched) and, before handing it to the first update, runs the hooks on its
+How: `check_first_window(trainer, window)` takes the first window the training loop takes anyway (nothing extra
+is read from the data, the loader's order is untouched) and, before the first update, runs the hooks on its
 first micro-batch as the update will run it (cut to the size --auto_micro_batch halved it to, in a resumed run):
 one forward of `loss` in train mode and one of `eval_step` in eval mode, both under no_grad, then
 each metric on a fresh `build_metrics(ctx)`. The RNG states (torch's, on the CPU and the accelerator, and Python's)
@@ -79,16 +79,11 @@ def _sample_count(batch) -> int:
     return n
 
 
-def checked(trainer, windows):
-    """`windows` (the training loop's), its first window checked (module docstring) before it is handed on."""
-    first = next(windows, None)
-    if first is None:
-        return
-    if os.environ.get(OPT_OUT, "1") != "0" and first:
-        micro_batches, _ = trainer.updater.micro.split(first)
+def check_first_window(trainer, window: list):
+    """The training loop's first window, checked (module docstring) before its update."""
+    if os.environ.get(OPT_OUT, "1") != "0" and window:
+        micro_batches, _ = trainer.updater.micro.split(window)
         check(trainer, micro_batches[0])
-    yield first
-    yield from windows
 
 
 def check(trainer, batch) -> None:

@@ -26,7 +26,6 @@ import sys
 import time
 import traceback
 import weakref
-from dataclasses import asdict, dataclass
 
 import torch
 from accelerate.utils import DistributedType, set_seed
@@ -42,6 +41,7 @@ from .entry import python_api
 from .errors import UserError
 from .events import Events
 from .logwindow import LogWindow
+from .progress import Progress
 from .resolve import ResolvedArgs, resolve_args, user_values
 from .runlog import Reporter, end_line, flat_config, start_line
 from .throughput import Meter, detected_peak_tflops
@@ -50,40 +50,6 @@ from .update import Updater
 
 class AfterTrainingError(UserError):
     """Training finished and its weights are saved; what came after (the final evaluation, fit_end) failed."""
-
-
-@dataclass
-class Progress:
-    """How far the run is; saved in every checkpoint (trainer_state.json). Where it is in the data (epoch, batch in
-    the epoch) is the data position's (loaders.MapPosition, streaming.Stream). Written only by its methods below,
-    which only the Trainer calls (an update, a new best evaluation, a resume)."""
-
-    global_step: int = 0  # optimizer updates done (attempted, including fp16- and NaN-skipped ones)
-    skipped_steps: int = 0  # fp16 overflow skips + non-finite skips
-    best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
-    best_step: int | None = None
-    evals_without_improvement: int = 0  # --early_stopping_patience counts them
-
-    def updated(self, stepped: bool):
-        self.global_step += 1
-        self.skipped_steps += not stepped
-
-    def new_best(self, value: float | None):
-        """An evaluation's outcome: its value when it improved on the best (None: it did not)."""
-        if value is None:
-            self.evals_without_improvement += 1
-        else:
-            self.best_metric, self.best_step, self.evals_without_improvement = value, self.global_step, 0
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict):
-        """A checkpoint's values; a field it lacks (an older checkpoint) keeps its default."""
-        for name, default in asdict(Progress()).items():
-            setattr(self, name, state.get(name, default))
-        if type(self.evals_without_improvement) is not int:  # not checked by checkpointing.verify: none resumed
-            self.evals_without_improvement = 0
 
 
 class Trainer:
@@ -160,7 +126,7 @@ class Trainer:
         self.meter = Meter(acc, args.peak_tflops or detected_peak_tflops(acc.mixed_precision))
         self.updater = Updater(
             acc, self.model, self.optimizer, self.scheduler, self.recipe.loss, args, ema=self.ema, meter=self.meter,
-            preemption=self.preemption, say=self.reporter.print,
+            preemption=self.preemption, on_skipped=self.progress.skipped, say=self.reporter.print,
         )  # fmt: skip
         # The manager calls back into the Trainer (its events; a log row before each save) through a weak reference:
         # a reference cycle would keep a dropped Trainer's model, optimizer and data (on a GPU, their memory) alive
@@ -239,28 +205,46 @@ class Trainer:
         )
         # the profiler, too, stops on every way out: a failed run keeps the profile of the updates it did
         profiled = self.profiler.running(self.global_step) if self.profiler else contextlib.nullcontext()
+        # One flat loop over the run's windows (the micro-batches of one update each), handed out as the data position
+        # moves: what the run asked for, each when it is due. The time between asking for a window and getting it
+        # is the log rows' data wait.
+        # (none when a notebook's train_step() calls went past the run length, or a resumed run had stopped early)
+        done = p.global_step >= self.total_steps or evaluation.stopped_early(args, p)
+        windows = self.data.windows(args.gradient_accumulation_steps) if not done else ()
+        first = True
         with self.checkpoints.guard(), self.preemption, peers_watched, profiled:
-            for window in preflight.checked(self, self.windows()):  # micro-batches of one update; the first checked
+            asked = time.perf_counter()
+            for window in windows:
+                self.meter.waited(time.perf_counter() - asked)
+                if first:  # the recipe's hooks on the run's first batch, before its first update (preflight.py)
+                    preflight.check_first_window(self, window)
+                    first = False
                 self.update(window)
-                self.events.fire("update_end", self)
+                if self.events.has("update_end"):  # handlers see the step count, learning rate and skips as they are
+                    if self.updater.pending is not None:
+                        self.updater.settle()
+                    self.events.fire("update_end", self)
                 self.checkpoints.announce_written()
                 bar.update(1)
-                step, last = p.global_step, p.global_step >= self.total_steps
-                if step % args.logging_steps == 0 or last:
+                step = p.global_step
+                if step >= self.total_steps:
+                    self.log(bar)
+                    break
+                if step % args.logging_steps == 0:
                     self.log(bar)
                 # epochs: never for a stream, whose epochs end at other updates on each rank
                 epoch_ended = self.data.epoch_just_ended()
-                if not last and self.eval_loader is not None and args.evaluates_after(step, epoch_ended):
+                if self.eval_loader is not None and args.evaluates_after(step, epoch_ended):
                     with self.meter.paused():  # not update time in the log rows
                         metrics = self.evaluate()
-                    last = self._stops_early()  # the run then ends as after its last update
-                if not last and args.saves_after(step, epoch_ended):
+                    if self._stops_early():  # the run then ends as after its last update
+                        break
+                if args.saves_after(step, epoch_ended):
                     with self.meter.paused():
                         self.save_checkpoint()
-                if not last and self.preemption.agreed():  # a signal reached some rank by the previous update
+                if self.preemption.agreed():  # a signal reached some rank by the previous update
                     self.checkpoints.preempt(bar)
-                if last:
-                    break
+                asked = time.perf_counter()
         bar.close()
         with self.checkpoints.guard():  # the final checkpoint's write too (Ctrl-C while it is waited for)
             return self._finish(metrics)
@@ -331,30 +315,17 @@ class Trainer:
         quiet = self.args.disable_tqdm or not self.accelerator.is_main_process or not sys.stderr.isatty()
         return tqdm(total=self.total_steps, initial=self.global_step, dynamic_ncols=True, desc="train", disable=quiet)
 
-    def windows(self):
-        """Accumulation windows from the current position on; the position moves as each window is handed out,
-        so a checkpoint written after the update of a window resumes right after it. The time spent here, between
-        handing out two windows, is the time spent waiting for data."""
-        if self.global_step >= self.total_steps:  # e.g. a notebook's train_step() calls went past the run length
-            return
-        if evaluation.stopped_early(self.args, self.progress):  # a resumed run that had stopped early: it is done
-            return
-        asked = time.perf_counter()
-        for window in self.data.windows(self.args.gradient_accumulation_steps):  # the data position moves
-            self.meter.waited(time.perf_counter() - asked)
-            yield window
-            asked = time.perf_counter()
-
     def update(self, window: list, schedule: bool = True):
         """One optimizer update over a window of micro-batches (this rank's share of the global batch; update.py).
         Returns the mean loss over every item of the global batch (a tensor; no host sync)."""
         done = self.updater(window, schedule=schedule)
-        self.progress.updated(done.stepped)
+        self.progress.updated()
         self.log_window.record(done, window, self.updater.micro_losses, self.micro_batches_per_epoch)
         return done.loss
 
     def log(self, progress_bar=None) -> dict | None:
         """One metrics.jsonl row for the updates since the last log (logwindow.py: the only host sync of the loop)."""
+        self.updater.settle()  # the last update's outcome, if only the device knew it yet
         metrics = self.log_window.row()
         if metrics is None:
             return None
@@ -385,6 +356,7 @@ class Trainer:
     def evaluate(self, final: bool = False) -> dict:
         """Loss and metrics over the whole eval split (evaluation.py), then the evaluate_end event's extras; logged,
         and the best model kept with --metric_for_best_model."""
+        self.updater.settle()  # handlers may read the step count, the learning rate, the skips
         results: dict = {}
         if self.eval_loader is not None:
             results = evaluation.evaluate(self.accelerator, self.recipe, self.ctx, self.eval_model, self.eval_loader)
@@ -436,7 +408,9 @@ class Trainer:
         """One optimizer update on one batch (fetched if not given). Returns its loss (NaN for a skipped one)."""
         self._debug.before_update(self)
         self.model.train()
-        return float(self.update([batch if batch is not None else self.fetch_batch()], schedule=schedule))
+        loss = self.update([batch if batch is not None else self.fetch_batch()], schedule=schedule)
+        self.updater.settle()
+        return float(loss)
 
     def overfit_batch(self, steps: int = 100, batch=None) -> list[float]:
         """Train repeatedly on one batch at the current learning rate (the schedule is held): the loss should go

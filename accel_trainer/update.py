@@ -34,9 +34,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
-from . import privates
+from . import precision, privates
 from .micro_batch import Agreed, MicroBatches, sample_count
 
 # Distributed types where the optimizer/backward are plain torch objects, so we may call them directly and skip
@@ -53,23 +54,33 @@ def is_plain_torch(accelerator) -> bool:
 @dataclass
 class Result:
     loss: torch.Tensor  # the mean over every item of the global batch (no host sync)
-    grad_norm: torch.Tensor | None  # Updater.grad_norm: this update's global gradient norm before clipping
-    stepped: bool  # False: skipped (fp16 overflow, or a non-finite loss/norm under --nan_policy skip)
+    grad_norm: torch.Tensor | None  # Updater.grad_norm: the global gradient norm before clipping, when clipping
+    checked: torch.Tensor | None  # what --nan_policy checks of the gradients (Updater._checked); None under fp16
+    stepped: bool | torch.Tensor  # False: skipped; a device flag where only the device knows yet (Updater.settle)
+    checked_is_flag: bool = False  # `checked` is a flag (1.0: not finite), not the norm
 
 
 class Updater:
     """`updater(window)` runs one optimizer update. `updater.grad_norm` (and its Result's) is that update's global
-    gradient norm before clipping, one value with one meaning: measured when clipping (--max_grad_norm) or, without
-    a GradScaler, for --nan_policy's check; None when not measured, or when the update was skipped for a non-finite
-    loss or norm."""
+    gradient norm before clipping, measured when clipping (--max_grad_norm), else None: without clipping nothing
+    needs the norm (--nan_policy's check takes one fused pass instead, _checked).
 
-    def __init__(self, accelerator, model, optimizer, scheduler, loss, args, *, ema=None, meter, preemption, say=print):
+    Whether an update stepped is known on the device first where it can be skipped there (fp16 loss scaling, or
+    --nan_policy skip with an optimizer that skips on the device): such an update's outcome is pending until
+    `settle()` reads it, which the next update does once its forward and backward are queued, so no update waits
+    for its own kernels. `on_skipped()` is called for each update found skipped."""
+
+    def __init__(self, accelerator, model, optimizer, scheduler, loss, args, *, ema=None, meter, preemption,
+                 on_skipped, say=print):  # fmt: skip
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.loss, self.ema, self.meter, self.preemption = loss, ema, meter, preemption
-        self.max_grad_norm, self.nan_policy = args.max_grad_norm, args.nan_policy
+        self.max_grad_norm, self.nan_policy, self.on_skipped = args.max_grad_norm, args.nan_policy, on_skipped
         self.plain_torch = is_plain_torch(accelerator)
         self.sharded = accelerator.distributed_type == DistributedType.FSDP
         self.inner_opt = optimizer.optimizer
+        # the scheduler Accelerate wraps (it only passes step() on: the Accelerator does not step it with the
+        # optimizer), stepped directly as the optimizer is
+        self.inner_sched = scheduler.scheduler if isinstance(scheduler, AcceleratedScheduler) else scheduler
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.weighted = accelerator.num_processes > 1 or args.gradient_accumulation_steps > 1
         self.micro = MicroBatches(args, accelerator, say)  # --auto_micro_batch (micro_batch.py)
@@ -79,6 +90,9 @@ class Updater:
         self.ddp = ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else None
         self.reference = None  # K: the previous update's items per rank (a tensor; None: not known yet)
         self.grad_norm = None
+        self._one = torch.ones((), device=accelerator.device)  # the unit scale of the gradient check (_checked)
+        self.autocast = precision.update_autocast(accelerator)  # None in fp32
+        self.pending = None  # (stepped flag on the device, schedule) of an update whose outcome is not read yet
         self.micro_losses: list = []  # the last update's per-micro-batch losses, detached (nan_batch.py)
         self.repeats_at = None  # the index in the window of a batch of repeats alone (__call__)
 
@@ -97,80 +111,112 @@ class Updater:
         # An epoch's last window may end in a batch of Accelerate's repeats alone (loaders.MapPosition): weighed
         # by zero items, and no samples.
         self.repeats_at = len(window) - 1 if getattr(window, "repeats_last", False) else None
-        loss_mean, n_sum = self.micro.run(self, window)  # _forward_backward, redone smaller on out of memory
-        samples = window[:-1] if self.repeats_at is not None else window
-        self.meter.updated(sum(sample_count(b) or 0 for b in samples), n_sum)
-        clipped = self._clip() if self.max_grad_norm > 0 else None
-        checked = self._checked_norm(clipped)
-        grad_norm = checked if checked is not None else clipped
-        if self.nan_policy == "skip" and not (
-            torch.isfinite(loss_mean) & (True if checked is None else torch.isfinite(checked))
-        ):
-            stepped, grad_norm = False, None  # the update is recorded (logged as skipped) but changes nothing
-            self._end_scaler_iteration()
+        flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
+        if flops is None:
+            loss_mean, n_sum = self.micro.run(self, window)  # _forward_backward, redone smaller on out of memory
         else:
-            stepped = self._optimizer_step()
-        if stepped:
+            with flops:
+                loss_mean, n_sum = self.micro.run(self, window)
+            self.meter.counted(flops)
+        samples = 0
+        for batch in window[:-1] if self.repeats_at is not None else window:
+            samples += sample_count(batch) or 0
+        self.meter.updated(samples, n_sum)
+        grad_norm = self._clip() if self.max_grad_norm > 0 else None
+        checked = self._checked(grad_norm)
+        flag = checked is not None and grad_norm is None and self.plain_torch  # a flag, not a norm (_checked)
+        if self.pending is not None:  # the previous update's outcome, before this step (its scheduler step first)
+            self.settle()
+        stepped = (
+            self._step_if_finite(loss_mean, checked, flag) if self.nan_policy == "skip" else self._optimizer_step()
+        )
+        if stepped is not True and stepped is not False:  # a device flag
+            if self.ema is None:
+                self.pending = (stepped, schedule)
+            else:  # the EMA averages this step's weights, now or never: it must know (a host read)
+                stepped = bool(stepped)
+        if stepped is True:
             if schedule:
-                self.scheduler.step()
+                self.inner_sched.step()
             if self.ema is not None:
                 self.ema.update_parameters(self.accelerator.unwrap_model(self.model, keep_torch_compile=False))
+        elif stepped is False:
+            self.on_skipped()
         self.inner_opt.zero_grad(set_to_none=True)
         self.grad_norm = grad_norm
-        return Result(loss_mean, grad_norm, stepped)
+        return Result(loss_mean, grad_norm, checked, stepped, flag)
+
+    def settle(self):
+        """Read the pending update's outcome: its scheduler step if it stepped, on_skipped() if not. Called by the
+        next update before its optimizer step, when its forward and backward are queued (on a GPU the read waits
+        for the previous update's kernels alone, not for the queue to drain), and by the Trainer before anything
+        outside the loop looks at the step count, the learning rate or the skips (a log row, an evaluation,
+        update_end handlers, a notebook step)."""
+        if self.pending is None:
+            return
+        stepped, schedule = self.pending
+        self.pending = None
+        if bool(stepped):
+            if schedule:
+                self.inner_sched.step()
+        else:
+            self.on_skipped()
 
     def _forward_backward(self, window: list, origin: list[int]):
         """Every micro-batch's forward and backward; returns the window's mean loss (detached) and item count over
-        every rank (this rank's alone when nothing is weighted). origin[i]: the loader batch micro-batch i is cut
+        every rank (the batch's own with one micro-batch on one process). origin[i]: the loader batch micro-batch i is cut
         from (--auto_micro_batch; micro_losses has one loss per loader batch, for nan_batch.py)."""
         acc = self.accelerator
         loss_sum, n_sum = None, 0
         self.micro_losses = []
         by_items = self.weighted or self.micro.splits  # a cut loader batch is several micro-batches
-        flops = self.meter.count_flops()  # the first update only, and only when an MFU can be reported
-        with flops or nullcontext():
-            for i, batch in enumerate(window):
-                last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
-                with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
-                    loss, n = self.loss(self.model, batch)
-                    if origin[i] == self.repeats_at:
-                        n = n * 0
-                    detached = loss.detach()
-                    if i and origin[i] == origin[i - 1]:  # a cut of the same loader batch: non-finite if one is
-                        self.micro_losses[-1] = self.micro_losses[-1] + detached
-                    else:
-                        self.micro_losses.append(detached)  # which micro-batch was not finite, read only if one was
-                    if not by_items:  # one micro-batch on one process: its mean is the update's, as it is
-                        self._backward(loss)
-                        loss_sum, n_sum = detached, n  # no kernels to weigh it: they cost time on every update
-                        continue
-                    weighted = detached * n
-                    loss_sum = weighted if loss_sum is None else loss_sum + weighted  # no `0.0 +` kernel
-                    n_sum = n_sum + n
-                    if last and self.ddp is not None:  # sum / K, K the same on every rank; corrected after
-                        pending = self._start_totals(loss_sum, n_sum)
-                        if self.reference is None or self.micro.waits:  # the first update: K from its own N
-                            loss_sum, n_sum = self._finish_totals(pending)  # (one wait); the vote: micro_batch.py
-                            pending = None
-                            if self.reference is None:
-                                self.reference = self._items_per_rank(n_sum)
-                        self._backward(loss * n * self._to_mean(self.reference, 1))
-                        if pending is not None:
-                            loss_sum, n_sum = self._finish_totals(pending)
-                        self._correct(n_sum)
-                    elif last and not self.sharded:  # no DDP wrapper (no trainable parameters): nothing to weigh
-                        loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
-                        self._backward(loss * n * self._to_mean(n_sum, self.accelerator.num_processes))
-                    else:
-                        self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
+        if not by_items:  # one micro-batch on one process: its mean is the update's, as it is
+            loss, n = self.loss(self.model, window[0]) if self.autocast is None else self._autocast_loss(window[0])
+            self.micro_losses.append(loss.detach())  # which micro-batch was not finite, read only if one was
+            self._backward(loss)
+            return self.micro_losses[0], n  # no kernels to weigh it
+        for i, batch in enumerate(window):
+            last = i == len(window) - 1  # DDP all-reduces gradients on the window's last backward only
+            with nullcontext() if last or acc.num_processes == 1 else acc.no_sync(self.model):
+                loss, n = self.loss(self.model, batch) if self.autocast is None else self._autocast_loss(batch)
+                if origin[i] == self.repeats_at:
+                    n = n * 0
+                detached = loss.detach()
+                if i and origin[i] == origin[i - 1]:  # a cut of the same loader batch: non-finite if one is
+                    self.micro_losses[-1] = self.micro_losses[-1] + detached
+                else:
+                    self.micro_losses.append(detached)  # which micro-batch was not finite, read only if one was
+                weighted = detached * n
+                loss_sum = weighted if loss_sum is None else loss_sum + weighted  # no `0.0 +` kernel
+                n_sum = n_sum + n
+                if last and self.ddp is not None:  # sum / K, K the same on every rank; corrected after
+                    pending = self._start_totals(loss_sum, n_sum)
+                    if self.reference is None or self.micro.waits:  # the first update: K from its own N
+                        loss_sum, n_sum = self._finish_totals(pending)  # (one wait); the vote: micro_batch.py
+                        pending = None
+                        if self.reference is None:
+                            self.reference = self._items_per_rank(n_sum)
+                    self._backward(loss * n * self._to_mean(self.reference, 1))
+                    if pending is not None:
+                        loss_sum, n_sum = self._finish_totals(pending)
+                    self._correct(n_sum)
+                elif last and not self.sharded:  # no DDP wrapper (no trainable parameters): nothing to weigh
+                    loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
+                    self._backward(loss * n * self._to_mean(n_sum, self.accelerator.num_processes))
+                else:
+                    self._backward(loss * n)  # summed loss: its gradient stays local, in fp32
         if by_items and self.sharded:
             # FSDP2 accumulates a window's gradients inside its unsharded parameters, out of our reach until the
             # last backward's reduce-scatter writes the sharded .grad: scaled after it (see _to_mean).
             loss_sum, n_sum = self._reduce_totals(loss_sum, n_sum)
             self._to_mean(n_sum, self.accelerator.num_processes)
-        if flops is not None:
-            self.meter.counted(flops)
-        return (loss_sum / n_sum).detach() if by_items else loss_sum, n_sum
+        return (loss_sum / n_sum).detach(), n_sum
+
+    def _autocast_loss(self, batch):
+        """The recipe's loss in mixed precision: its forward and loss under the run's autocast, as a hand-written
+        mixed-precision loop runs them (the model's forward then adds nothing: precision.AutocastForward)."""
+        with self.autocast:
+            return self.loss(self.model, batch)
 
     def _clip(self):
         """Clip the gradients to --max_grad_norm; returns the norm before clipping (a tensor, no host sync)."""
@@ -194,24 +240,46 @@ class Updater:
             scaler.unscale_(self.inner_opt)
         scaler.update()
 
-    def _checked_norm(self, clipped):
-        """The global gradient norm that --nan_policy checks with the loss: a finite loss can still give
-        non-finite gradients (and NaN weights after the step). None under fp16: an overflow is the scaler's to
-        skip."""
+    def _checked(self, grad_norm):
+        """What --nan_policy checks of the gradients with the loss (a finite loss can still give non-finite
+        gradients, and NaN weights after the step), on the device: the norm clipping measured (finite when they
+        are), else, where the gradients are plain tensors, a flag (1.0: one is not finite) from one fused pass over
+        them, not the norm (three kernels and one allocation per tensor that nothing reads). None under fp16: an
+        overflow is the scaler's to skip."""
         if self.accelerator.scaler is not None:
             return None
-        grad_norm = clipped if clipped is not None else self._total_grad_norm()
+        if grad_norm is None and self.plain_torch:
+            flag = torch.zeros((), device=self.accelerator.device)
+            privates.flag_non_finite([q.grad for q in self.params if q.grad is not None], flag, self._one)
+            return flag
+        if grad_norm is None:  # FSDP: the norm of the DTensor gradients, as its clipping measures it
+            grads = [q.grad for q in self.params if q.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor; the global value, the same on every rank
             grad_norm = grad_norm.full_tensor()
         return grad_norm
 
-    def _total_grad_norm(self):
-        """The global gradient norm without clipping (a tensor, no host sync): torch's foreach kernels, one pass
-        over the gradients (under FSDP a DTensor of the shards' norms)."""
-        grads = [q.grad for q in self.params if q.grad is not None]
-        if not grads:
-            return None
-        return torch.nn.utils.get_total_norm(grads, foreach=True)
+    def _step_if_finite(self, loss_mean, checked, flag: bool):
+        """--nan_policy skip: the step, unless the loss or the gradients are not finite; then the update changes
+        nothing (no step, no schedule, no EMA) and is counted as skipped. Skipped on the device where it can be:
+        under fp16 the scaler skips it (and backs its scale off) as it does an overflow; an optimizer that takes
+        GradScaler's skip flag (torch's fused ones) skips it itself. Any other reads the flag (a host sync)."""
+        finite = torch.isfinite(loss_mean)
+        if checked is not None:
+            finite = finite & (checked == 0 if flag else torch.isfinite(checked))
+        scaler = self.accelerator.scaler
+        if self.plain_torch and scaler is not None:
+            if self.max_grad_norm <= 0:  # clipping unscaled already; the scaler's flags exist from here on
+                scaler.unscale_(self.inner_opt)
+            privates.scaler_flag_non_finite(scaler, self.inner_opt, ~finite)
+            return self._optimizer_step()
+        if self.plain_torch and privates.skips_on_device(self.inner_opt):
+            privates.step_unless(self.inner_opt, (~finite).float())
+            return finite
+        if not bool(finite):
+            self._end_scaler_iteration()
+            return False
+        return self._optimizer_step()
 
     def _start_totals(self, loss_sum, n_sum):
         """Start the update's one all-reduce: the window's loss sum and item count over every rank (the preemption
@@ -295,8 +363,9 @@ class Updater:
         else:
             loss.backward()
 
-    def _optimizer_step(self) -> bool:
-        """Step the optimizer; False when fp16 loss scaling skipped the step (an overflow)."""
+    def _optimizer_step(self) -> bool | torch.Tensor:
+        """Step the optimizer; True, False when fp16 loss scaling skipped the step (an overflow), or, under fp16 on
+        plain torch, whether it stepped as a device flag (settle reads it later)."""
         scaler = self.accelerator.scaler
         if not self.plain_torch:
             self.optimizer.step()
@@ -304,14 +373,13 @@ class Updater:
         if scaler is None:
             self.inner_opt.step()
             return True
-        # The scale only drops when an inf/nan gradient skipped the step: compared on the device, one host read
-        # (the scheduler and the EMA must know). get_scale() before and after was two host syncs per update;
-        # privates.scaler_scale is that tensor without the read.
+        # The scale only drops when an inf/nan gradient skipped the step: compared on the device. get_scale()
+        # before and after was two host syncs per update; privates.scaler_scale is that tensor without the read.
         scale = privates.scaler_scale(scaler)
         scale = None if scale is None else scale.clone()  # None: a disabled scaler, which steps as given
         scaler.step(self.inner_opt)
         scaler.update()
-        return scale is None or bool(privates.scaler_scale(scaler) >= scale)
+        return True if scale is None else privates.scaler_scale(scaler) >= scale
 
 
 def _device_scalar(value, device) -> torch.Tensor:

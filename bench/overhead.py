@@ -34,6 +34,8 @@ ends after a device sync. From the same run it also prints:
     python bench/overhead.py --cpu          # the CPU on a GPU machine
     python bench/overhead.py --width 1 --rounds 8 --steps 1000   # the loops' own cost in us per update
     python bench/overhead.py --instructions --width 1  # the same in CPU instructions (callgrind), ~2 minutes
+    python bench/overhead.py --launch_bound --rounds 3 --steps 2000   # the launch-bound case, below
+    python bench/overhead.py --launch_bound --instructions            # its rows in CPU instructions
 
 --instructions counts, instead of timing, the CPU instructions of 100 updates of plain, trainer, plain+ and defaults
 (after 10 updates of warm-up), each row in its own process under valgrind's callgrind, started and stopped by
@@ -44,12 +46,25 @@ bar is redrawn by each log row's write only). Needs valgrind (with its headers) 
 At the default width 512 the kernels run under valgrind too (over 5 minutes a row here), and valgrind's CPU has no
 AVX-512, so their instructions are not this CPU's: --width 1 is the measure of the loops' own cost.
 
+--launch_bound: the host's share of an update. At --width 1 the kernels take almost no time, so what a loop adds
+per update is host work (Python, dispatch, allocations) that a fast GPU would wait for too. Four rows with a user's
+features (clipping at 1.0, a log row every 10 updates, a progress bar, on a terminal), on the same model, optimizer
+and schedule: plain+ (the hand-written loop), defaults (the Trainer), accel+ (the loop on bare Accelerate, clipping
+through the Accelerator) and hf (transformers.Trainer, given the same optimizer and schedule). Timed in lockstep
+(Lockstep: the four loops in one process, one update each in turn), so that every update of a row is paired with
+its neighbours of the others under the same load; then, each row in a run of its own, the aten ops and the Python
+calls per update, and which ops a row dispatches more often than plain+. With --instructions, each row's CPU
+instructions per update instead (callgrind). Lockstep times a CPU run: on a GPU the rows share the device's stream,
+so a row that waits for the GPU (a read, a copy from pageable memory) waits for the kernels the row before it
+queued; there the counts stand, and the default mode (whole runs in turn) gives the times.
+
 The last line, `RESULT {...}`, is the same as JSON (bench/gpu.py's overhead row reads it).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import gc
@@ -68,6 +83,7 @@ import time
 import torch
 from harness import hand_written_loop
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from accel_trainer import Recipe, Trainer, TrainingArguments, cpu_allocator
@@ -156,17 +172,83 @@ def plain(steps: int, user: bool = False):
     return t, model
 
 
-def bare_accelerate(steps: int):
+def bare_accelerate(steps: int, user: bool = False):
+    """(seconds per step, the trained model). `user`: clipping through the Accelerator, a tqdm bar and a printed
+    loss every 10 updates, as a bare-Accelerate user writes them."""
     from accelerate import Accelerator
+    from tqdm.auto import tqdm
 
     acc = Accelerator(cpu=CPU)
     model, data = make_model(), make_data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt, sched, loader = acc.prepare(model, opt, linear_decay(opt, steps), shuffled(data))
+    bar = tqdm(total=steps, disable=not user)
+
+    def backward(loss):
+        acc.backward(loss)
+        if user:
+            acc.clip_grad_norm_(model.parameters(), CLIP)
+
+    def after_update(step, loss):
+        if user:
+            bar.update(1)
+            if step % EVERY == 0:
+                bar.write(f"step {step} loss {loss.item():.4f}")
+        if ON_UPDATE is not None:
+            ON_UPDATE(step)
+
     t0 = clock()
-    hand_written_loop(model, loader, cross_entropy, opt, sched, steps, backward=acc.backward)
+    hand_written_loop(model, loader, cross_entropy, opt, sched, steps, backward=backward,
+                      after_update=after_update if user or ON_UPDATE else None)  # fmt: skip
     sync(acc.device)
-    return per_step(t0, steps), model
+    t = per_step(t0, steps)
+    bar.close()
+    return t, model
+
+
+def hf_trainer(steps: int):
+    """(seconds per step, the trained model): transformers.Trainer with the same user's defaults (clipping at 1.0,
+    a log row every 10 updates, its progress bar), on the same model, optimizer and schedule (given to it)."""
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainerCallback
+    from transformers import TrainingArguments as HFArguments
+
+    class WithLoss(nn.Module):  # transformers.Trainer reads the loss from the model's output
+        def __init__(self):
+            super().__init__()
+            self.net = make_model()
+
+        def forward(self, x, labels):
+            return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+
+    class Samples(torch.utils.data.Dataset):  # its collator batches dicts
+        def __init__(self, data):
+            self.x, self.y = data.tensors
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    class OnUpdate(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            ON_UPDATE(state.global_step)
+
+    model = WithLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    with tempfile.TemporaryDirectory() as out:
+        t = HFTrainer(
+            model=model,
+            args=HFArguments(output_dir=out, per_device_train_batch_size=BATCH, max_steps=steps, max_grad_norm=CLIP,
+                             logging_steps=EVERY, save_strategy="no", report_to="none", use_cpu=CPU, seed=SEED),
+            train_dataset=Samples(make_data()),
+            optimizers=(opt, linear_decay(opt, steps)),
+            callbacks=[OnUpdate()] if ON_UPDATE is not None else [],
+        )  # fmt: skip
+        t0 = clock()
+        t.train()
+        return per_step(t0, steps), model.net
 
 
 def trainer(steps: int, user: bool = False):
@@ -230,12 +312,203 @@ LOOPS = {
     "plain+": lambda n: plain(n, user=True),
     "defaults": lambda n: trainer(n, user=True),
 }
-ON_A_TERMINAL = {"plain+", "defaults"}
+ON_A_TERMINAL = {"plain+", "defaults", "accel+", "hf"}
 
 
 def run(name, steps):
     with on_a_terminal() if name in ON_A_TERMINAL else contextlib.nullcontext():
-        return LOOPS[name](steps)
+        return LOOPS[name](steps) if name in LOOPS else LAUNCH_ROWS[name](steps)
+
+
+# ------------------------------------------------------------------------------------ the launch-bound case
+# --launch_bound: the hand-written loop as a user runs it against the Trainer's defaults, bare Accelerate and
+# transformers.Trainer with the same features, on a model whose kernels take almost no time (--width 1): what each
+# adds per update is host work (Python, dispatch, allocations) that a fast GPU would wait for too.
+LAUNCH_ROWS = {
+    "plain+": lambda n: plain(n, user=True),
+    "defaults": lambda n: trainer(n, user=True),  # first after plain+: its set-up resets Accelerate's singletons
+    "accel+": lambda n: bare_accelerate(n, user=True),
+    "hf": hf_trainer,
+}
+WARM, BLOCK = 10, EVERY  # updates before the measured ones; updates per block (one log row each)
+
+
+class Lockstep:
+    """The rows' loops side by side in one process, one update at a time in turn: each in a thread of its own (the
+    Trainer's in the main thread, which its signal handlers need), the turn passed at each update's end. Each update
+    is timed in its own thread's CPU time, from its row's turn coming back to its end: neighbouring updates of the
+    rows run microseconds apart, under the same load, where whole runs in turn (the other mode) ran seconds apart,
+    and on this shared VM a round's CPU time moved by +-40% (stolen time is counted as the guest's). Set-up runs
+    in a row's first turn, so that no row's set-up overlaps another's updates."""
+
+    def __init__(self, names, n: int):
+        self.order, self.n = list(names), n  # rows still running, in turn order
+        self.turn = {name: threading.Event() for name in names}
+        self.lock, self.local, self.resumed = threading.Lock(), threading.local(), {}
+        self.times = {name: [] for name in names}  # thread CPU seconds of updates WARM+1 .. WARM+n
+
+    def on_update(self, step: int):  # ON_UPDATE, called in the row's own thread
+        name, t = self.local.name, time.thread_time()
+        if WARM < step <= WARM + self.n:
+            self.times[name].append(t - self.resumed[name])
+        self._hand_on(name, done=False)
+        self._wait(name)
+
+    def _wait(self, name):
+        self.turn[name].wait()
+        self.turn[name].clear()
+        self.resumed[name] = time.thread_time()
+
+    def _hand_on(self, name, done: bool):
+        with self.lock:
+            i = self.order.index(name)
+            if done:
+                self.order.remove(name)
+            following = self.order[(i + (not done)) % len(self.order)] if self.order else None
+        if following is not None:
+            self.turn[following].set()
+
+    def _row(self, name, failed: list):
+        self.local.name = name
+        self._wait(name)
+        try:
+            LAUNCH_ROWS[name](WARM + self.n + 1)  # + 1: the run's last update (its final row, saves) is not timed
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            failed.append(e)
+        finally:
+            self._hand_on(name, done=True)
+
+    def run(self) -> dict:
+        global ON_UPDATE
+        failed, main = [], "defaults"
+        threads = [threading.Thread(target=self._row, args=(n, failed)) for n in self.order if n != main]
+        ON_UPDATE = self.on_update
+        try:
+            with on_a_terminal():
+                for thread in threads:
+                    thread.start()
+                self.turn[self.order[0]].set()
+                self._row(main, failed)
+                for thread in threads:
+                    thread.join()
+        finally:
+            ON_UPDATE = None
+        if failed:
+            raise failed[0]
+        return self.times
+
+
+class Stretch:
+    """ON_UPDATE counting over updates WARM+1 .. WARM+n of one run: the aten ops dispatched there ("ops": a
+    TorchDispatchMode, which sees the backward too), or the Python calls made there ("calls": sys.setprofile's
+    'call' events, functions and each resumption of a generator; in a run of its own, as the mode's own Python
+    would count). Counts do not move with the machine's load."""
+
+    def __init__(self, n: int, what: str):
+        self.n, self.what = n, what
+        self.ops, self.calls, self.mode = collections.Counter(), 0, None
+
+    def __call__(self, step: int):
+        if step == WARM:
+            if self.what == "ops":
+                self.mode = _Ops(self.ops)
+                self.mode.__enter__()
+            else:
+                sys.setprofile(self._profile)
+        elif step == WARM + self.n:
+            if self.what == "ops":
+                self.mode.__exit__(None, None, None)
+            else:
+                sys.setprofile(None)
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            self.calls += 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, counts):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not name.startswith("_record_function"):  # the optimizer's profiler markers: no kernel
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_stretch(name: str, n: int, what: str) -> Stretch:
+    global ON_UPDATE
+    ON_UPDATE = stretch = Stretch(n, what)
+    try:
+        with on_a_terminal():
+            LAUNCH_ROWS[name](WARM + n + 1)
+    finally:
+        ON_UPDATE = None
+    return stretch
+
+
+def launch_bound(rounds: int, steps: int, counted: int) -> dict:
+    """`rounds` lockstep runs of `steps` timed updates per row (Lockstep), in blocks of BLOCK updates (one log row
+    each): a row's cost is the median block, what it adds the median of its blocks' differences to plain+'s block
+    of the same updates; then each row's ops, and its Python calls, per update over `counted` updates, each in a
+    run of its own."""
+    steps -= steps % BLOCK
+    blocks = {name: [] for name in LAUNCH_ROWS}  # us per update of each block, over all rounds
+    per_round = {name: [] for name in LAUNCH_ROWS}  # each round's median added us per update
+    for _ in range(rounds):
+        times = Lockstep(LAUNCH_ROWS, steps).run()
+        mine = {
+            name: [sum(t[i : i + BLOCK]) / BLOCK * 1e6 for i in range(0, steps, BLOCK)] for name, t in times.items()
+        }
+        for name, b in mine.items():
+            blocks[name] += b
+            per_round[name].append(statistics.median(x - y for x, y in zip(b, mine["plain+"])))
+    ops = {name: count_stretch(name, counted, "ops").ops for name in LAUNCH_ROWS}
+    ops = {name: {k: v / counted for k, v in c.items()} for name, c in ops.items()}
+    calls = {name: count_stretch(name, counted, "calls").calls / counted for name in LAUNCH_ROWS}
+    rows = {}
+    for name in LAUNCH_ROWS:
+        added = [x - y for x, y in zip(blocks[name], blocks["plain+"])]  # paired: the same updates' turn
+        beyond = {op: round(v - ops["plain+"].get(op, 0.0), 2) for op, v in ops[name].items()
+                  if v > ops["plain+"].get(op, 0.0) + 1e-9}  # fmt: skip
+        rows[name] = {
+            "us_per_update": statistics.median(blocks[name]),
+            "us_quartiles": statistics.quantiles(blocks[name], n=4)[::2],
+            "added_us_per_update": statistics.median(added),
+            "added_us_quartiles": statistics.quantiles(added, n=4)[::2],
+            "added_us_per_round": per_round[name],
+            "aten_ops_per_update": sum(ops[name].values()),
+            "python_calls_per_update": calls[name],
+            "ops_beyond_plain+": beyond,
+        }
+    return rows
+
+
+def print_launch_bound(rows: dict, rounds: int, steps: int, counted: int):
+    print(
+        f"launch-bound: torch {torch.__version__}, {training_device(CPU).type}, 1 thread, MLP 256-{WIDTH}-{WIDTH}-10, "
+        f"batch {BATCH}, AdamW, clipping at {CLIP}, a log row every {EVERY} updates, on a terminal; {rounds} lockstep "
+        f"run(s) x {steps} updates per row, thread CPU time in blocks of {BLOCK} updates (median [quartiles]; added: "
+        f"of each block's difference to plain+'s); ops and Python calls over {counted} updates"
+    )
+    print(
+        f"  {'':9s} {'us/update':>9s} {'[quartiles]':>18s} {'added':>8s} {'[quartiles]':>18s} {'aten ops':>9s} {'Py calls':>9s}"
+    )
+    for name, r in rows.items():
+        lo, hi = r["us_quartiles"]
+        alo, ahi = r["added_us_quartiles"]
+        print(
+            f"  {name:9s} {r['us_per_update']:9.1f} {f'[{lo:.1f} .. {hi:.1f}]':>18s} "
+            f"{r['added_us_per_update']:+8.1f} {f'[{alo:+.1f} .. {ahi:+.1f}]':>18s} "
+            f"{r['aten_ops_per_update']:9.1f} {r['python_calls_per_update']:9.1f}"
+        )
+    for name, r in rows.items():
+        if name != "plain+":
+            each = ", ".join(f"{x:+.1f}" for x in r["added_us_per_round"])
+            beyond = ", ".join(f"{op} +{v:g}" for op, v in sorted(r["ops_beyond_plain+"].items())) or "none"
+            print(f"  {name}: added per run {each}; ops per update beyond plain+'s: {beyond}")
 
 
 def identical(a: nn.Module, b: nn.Module) -> str:
@@ -319,7 +592,7 @@ def _count(name: str, helper: str):
     run(name, WARM_UPDATES + COUNTED_UPDATES + 10)
 
 
-def count_instructions(threads: int) -> dict:
+def count_instructions(threads: int, rows=COUNTED_ROWS) -> dict:
     """{row: instructions per update}, each row in its own process under callgrind."""
     missing = [tool for tool in ("valgrind", "gcc") if shutil.which(tool) is None]
     if missing:
@@ -332,7 +605,7 @@ def count_instructions(threads: int) -> dict:
         if built.returncode != 0:
             sys.exit(f"--instructions: building the callgrind helper failed (valgrind's headers?):\n{built.stderr}")
         env = dict(os.environ, TQDM_MININTERVAL="1e9", PYTHONHASHSEED="0", OMP_NUM_THREADS=str(threads))
-        for name in COUNTED_ROWS:
+        for name in rows:
             cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/cg.%p",
                    sys.executable, os.path.abspath(__file__), "--_count", name, "--_helper", helper,
                    "--width", str(WIDTH), "--threads", str(threads)] + (["--cpu"] if CPU else [])  # fmt: skip
@@ -359,11 +632,17 @@ def main():
     )
     p.add_argument("--cpu", action="store_true", help="the CPU even where there is a GPU")
     p.add_argument("--instructions", action="store_true", help="count CPU instructions per update (callgrind)")
+    p.add_argument(
+        "--launch_bound",
+        action="store_true",
+        help="the launch-bound case: plain+, defaults, bare Accelerate and transformers.Trainer with the same "
+        "features, us per update added over plain+, aten ops and Python calls per update (width 1 unless given)",
+    )
     p.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_count", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_helper", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    CPU, WIDTH = a.cpu, a.width
+    CPU, WIDTH = a.cpu, 1 if a.launch_bound and "--width" not in sys.argv else a.width
     torch.set_num_threads(a.threads)
     # The Trainer fixes glibc's malloc thresholds for a CPU run (accel_trainer/cpu_allocator.py), and they are the
     # process's: set here, before any row, every row runs under the same allocator settings, so that the ratios
@@ -377,16 +656,25 @@ def main():
             _count(a._count, a._helper)
         return
     if a.instructions:
-        n = count_instructions(a.threads)
+        n = count_instructions(a.threads, LAUNCH_ROWS if a.launch_bound else COUNTED_ROWS)
         print(
             f"torch {torch.__version__}, {training_device(CPU).type}, {a.threads} thread(s), "
             f"MLP 256-{WIDTH}-{WIDTH}-10, CPU instructions per update (callgrind, user space, updates "
             f"{WARM_UPDATES + 1}-{WARM_UPDATES + COUNTED_UPDATES})"
         )
-        for name, base in (("plain", None), ("trainer", "plain"), ("plain+", "plain"), ("defaults", "plain+")):
+        pairs = (("plain", None), ("trainer", "plain"), ("plain+", "plain"), ("defaults", "plain+"))
+        if a.launch_bound:
+            pairs = (("plain+", None), ("defaults", "plain+"), ("accel+", "plain+"), ("hf", "plain+"))
+        for name, base in pairs:
             vs = f"  {n[name] - n[base]:+10,.0f} = {n[name] / n[base]:.4f}x {base}" if base else ""
             print(f"  {name:8s} {n[name]:12,.0f}{vs}")
         print("RESULT " + json.dumps({"width": WIDTH, "instructions_per_update": n}), flush=True)
+        return
+    if a.launch_bound:
+        counted = 100
+        rows = launch_bound(a.rounds, a.steps, counted)
+        print_launch_bound(rows, a.rounds, a.steps, counted)
+        print("RESULT " + json.dumps({"launch_bound": rows, "width": WIDTH, "rounds": a.rounds, "steps": a.steps}))
         return
     for name in LOOPS:  # warm-up: imports, allocator, first-call costs
         run(name, 50)

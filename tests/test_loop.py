@@ -1,4 +1,4 @@
-"""The training loop's pieces, in-process: the accumulation-window generator (no model needed), named events, and
+"""The training loop's pieces, in-process: the accumulation windows (no model needed), named events, and
 the loop's answers to odd input (a lying loader, a skipped NaN update, data options on a recipe's own loader)."""
 
 import math
@@ -17,30 +17,55 @@ import batchloader_recipe  # noqa: E402
 import regression  # noqa: E402
 
 from accel_trainer import Trainer  # noqa: E402
-from accel_trainer.loaders import ShortEpochError, accumulation_windows, train_sampler  # noqa: E402
+from accel_trainer.loaders import MapPosition, ShortEpochError, train_sampler  # noqa: E402
 
 
-def epochs_of(n_batches):
-    """epoch_batches(epoch, skip) over labelled fake batches: (epoch, index)."""
-    return lambda epoch, skip: iter([(epoch, i) for i in range(skip, n_batches)])
+class Batches:
+    """A recipe-style loader of `n` labelled fake batches per epoch, (epoch, index), whose len() may be another
+    number."""
+
+    def __init__(self, n, length=None):
+        self.n, self.length, self.epoch = n, n if length is None else length, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.length
+
+    def __iter__(self):
+        return iter([(self.epoch, i) for i in range(self.n)])
 
 
-def take_windows(gen, n):
-    return [next(gen) for _ in range(n)]
+def position_over(n_batches, length=None, epoch=0, start=0):
+    """A MapPosition over Batches on one process, at (epoch, start)."""
+    position = MapPosition(Batches(n_batches, length), types.SimpleNamespace(num_processes=1, process_index=0))
+    position.batches_per_epoch = len(position.loader)
+    position.load_state_dict({"epoch": epoch, "batch_in_epoch": start})
+    return position
 
 
-# ------------------------------------------------------------------------------------------ the window generator
+def take_windows(position, accumulation, n):
+    """(epoch, batch_in_epoch after it, indices) of the next n windows."""
+    windows = position.windows(accumulation)
+    got = []
+    for _ in range(n):
+        window = next(windows)
+        assert all(b[0] == window[0][0] for b in window)  # every batch comes from one epoch
+        got.append((window[0][0], position.batch_in_epoch, [i for _, i in window]))
+    return got
+
+
+# ------------------------------------------------------------------------------------------ the windows
 def test_windows_are_aligned_to_epochs_and_the_last_may_be_short():
-    got = take_windows(accumulation_windows(epochs_of(5), 5, 2), 6)
-    assert [(e, pos, [i for _, i in w]) for e, pos, w in got] == [
+    assert take_windows(position_over(5), 2, 6) == [
         (0, 2, [0, 1]),
         (0, 4, [2, 3]),
-        (0, 5, [4]),  # the epoch's last window is shorter; the next epoch starts a fresh window
+        (0, 0, [4]),  # the epoch's last window is shorter; the position moves to the next epoch's start
         (1, 2, [0, 1]),
         (1, 4, [2, 3]),
-        (1, 5, [4]),
+        (1, 0, [4]),
     ]
-    assert all(b[0] == e for e, _, w in got for b in w)  # every batch comes from the epoch it is counted in
 
 
 def test_the_train_order_is_accelerates_seedable_sampler_order():
@@ -60,20 +85,21 @@ def test_the_train_order_is_accelerates_seedable_sampler_order():
 
 
 def test_windows_resume_mid_epoch_at_a_window_boundary():
-    got = take_windows(accumulation_windows(epochs_of(5), 5, 2, epoch=3, start=2), 3)
-    assert [(e, pos, [i for _, i in w]) for e, pos, w in got] == [(3, 4, [2, 3]), (3, 5, [4]), (4, 2, [0, 1])]
+    position = position_over(5, epoch=3, start=2)
+    assert take_windows(position, 2, 3) == [(3, 4, [2, 3]), (3, 0, [4]), (4, 2, [0, 1])]
+    assert position.epoch == 4
 
 
 def test_windows_stop_at_len_when_a_loader_yields_more():
-    got = take_windows(accumulation_windows(epochs_of(7), 4, 4), 2)
-    assert [(e, pos, len(w)) for e, pos, w in got] == [(0, 4, 4), (1, 4, 4)]
+    assert take_windows(position_over(7, length=4), 4, 2) == [(0, 0, [0, 1, 2, 3]), (1, 0, [0, 1, 2, 3])]
 
 
 def test_a_loader_that_yields_fewer_batches_than_its_len_is_an_error():
-    gen = accumulation_windows(epochs_of(3), 5, 2)
-    assert next(gen)[1] == 2
+    position = position_over(3, length=5)
+    windows = position.windows(2)
+    next(windows)
     with pytest.raises(ShortEpochError, match=r"yielded 3 batches in epoch 0 but its len\(\) is 5"):
-        next(gen)
+        next(windows)
 
 
 # ------------------------------------------------------------------------------------------ through the Trainer
@@ -218,3 +244,21 @@ def test_nan_skip_logs_the_mean_of_the_finite_losses_of_a_window(tmp_path):
     event = t.log()
     assert event["step"] == 4 and event["skipped_steps"] == 2
     assert event["loss"] == pytest.approx((losses[1] + losses[3]) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("workers, pinned", [(0, False), (2, True)])
+def test_on_a_gpu_machine_batches_are_pinned_by_the_workers_only(tmp_path, monkeypatch, workers, pinned):
+    # Pinning pays where the DataLoader's pin thread does it beside the workers; without workers it would be one
+    # more host copy of every batch on the training thread, before the copy to the GPU.
+    from accel_trainer import TrainingArguments, loaders
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    prepared = []
+    accelerator = types.SimpleNamespace(
+        prepare_data_loader=lambda loader, device_placement: prepared.append(loader) or loader,
+        device=torch.device("cpu"), num_processes=1, process_index=0,
+    )  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path), dataloader_num_workers=workers)
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 2))
+    loaders.build_loaders({"train": data, "eval": data}, args, accelerator, "pinned")
+    assert [loader.pin_memory for loader in prepared] == [pinned, pinned]

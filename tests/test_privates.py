@@ -61,6 +61,43 @@ def check_mark_partial_state_fsdp(accelerator):
     assert AcceleratorState().distributed_type == DistributedType.FSDP  # re-read from PartialState's shared state
 
 
+def check_take_autocast_forward(accelerator):
+    from accelerate import Accelerator
+
+    privates.reset_accelerate_state()
+    try:
+        model = Accelerator(cpu=True, mixed_precision="bf16").prepare(torch.nn.Linear(2, 2))
+        original = privates.take_autocast_forward(model)
+        assert original is not None and original.__func__ is torch.nn.Linear.forward and original.__self__ is model
+        assert "_original_forward" not in model.__dict__
+        assert model(torch.ones(1, 2)).dtype == torch.float32  # Accelerate's wrapper itself stays until replaced
+        assert privates.take_autocast_forward(torch.nn.Linear(2, 2)) is None  # no wrapper: nothing to take
+    finally:
+        privates.reset_accelerate_state()
+
+
+def check_step_patch_without_cycle(accelerator):
+    import gc
+    import weakref
+
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    wrapped = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False, scaler=scaler)
+    privates.step_patch_without_cycle(wrapped)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    wrapped.step()  # Accelerate's fp16 step through the patch: the step ran, so it was not skipped
+    assert not wrapped.step_was_skipped and wrapped.optimizer.step == wrapped._optimizer_original_step_method
+    dropped = weakref.ref(wrapped)
+    gc.disable()
+    try:
+        del wrapped
+        assert dropped() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
 def check_uncompiled(accelerator):
     model = torch.nn.Linear(2, 2)
     assert privates.uncompiled(torch.compile(model)) is model  # nothing compiles until it is called
@@ -74,6 +111,54 @@ def check_scaler_scale(accelerator):
     scaler.scale(torch.ones(1, requires_grad=True))
     scale = privates.scaler_scale(scaler)
     assert isinstance(scale, torch.Tensor) and scale.item() == 8.0
+
+
+def check_flag_non_finite(accelerator):
+    grads = [torch.ones(2), torch.ones(3, dtype=torch.bfloat16)]
+    flag = torch.zeros(())
+    privates.flag_non_finite(grads, flag, torch.ones(()))
+    assert flag.item() == 0.0 and all(torch.equal(g, torch.ones_like(g)) for g in grads)  # left as they were
+    grads[1][0] = float("nan")
+    privates.flag_non_finite(grads, flag, torch.ones(()))
+    assert flag.item() == 1.0
+
+
+def fused_adamw_after_one_step():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        if not opt.state:
+            opt.step()
+    return model, opt
+
+
+def check_skips_on_device(accelerator):
+    assert privates.skips_on_device(torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True))
+    assert not privates.skips_on_device(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+
+
+def check_step_unless(accelerator):
+    model, opt = fused_adamw_after_one_step()
+    before = [p.detach().clone() for p in model.parameters()]
+    privates.step_unless(opt, torch.ones(()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped: nothing moved
+    assert all(opt.state[p]["step"].item() == 1 for p in model.parameters())  # nor the step counts
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    privates.step_unless(opt, torch.zeros(()))
+    assert not torch.equal(before[0], model.weight) and opt.state[model.weight]["step"].item() == 2
+
+
+def check_scaler_flag_non_finite(accelerator):
+    model, opt = fused_adamw_after_one_step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)
+    before = model.weight.detach().clone()
+    privates.scaler_flag_non_finite(scaler, opt, torch.tensor(True))
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(before, model.weight) and scaler.get_scale() == 4.0  # skipped and backed off
 
 
 def check_foreach_mul_(accelerator):
