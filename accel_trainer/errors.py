@@ -15,6 +15,12 @@ class OneLineError(UserError):
         super().__init__(*(one_line(a) if isinstance(a, str) else a for a in args))
 
 
+def why(e: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
 def one_line(text: str) -> str:
     """`text` with its control characters (newlines included) escaped as Python writes them in a string."""
     return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)

@@ -190,7 +190,8 @@ class Stream:
         same epoch and batch, a loader state exactly where the epoch has begun; the loader takes it or the
         checkpoint is refused in one line."""
         from .checkpointing.folder import CheckpointError
-        from .checkpointing.verify import read_state_file, why
+        from .checkpointing.verify import read_state_file
+        from .errors import why
 
         path = os.path.join(folder, STATE_FILE.format(rank=self.rank))
         if not os.path.isfile(path):

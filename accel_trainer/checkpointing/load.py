@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import why
 from . import state as ckpt_state
 from .folder import EMA_FILE, CheckpointError
-from .verify import check_state, is_sharded_checkpoint, read_header, read_state_file, sharded_tensors, why
+from .tensors import read_header, sharded_tensors
+from .verify import check_state, is_sharded_checkpoint, read_state_file
 
 
 def _plain_key(name: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..errors import why
 from ..faults import restart_count
 from . import load as ckpt_load
 from .folder import (
@@ -22,7 +23,7 @@ from .folder import (
     restore_set_aside,
     set_aside_newer,
 )
-from .verify import verify_checkpoint, why
+from .verify import verify_checkpoint
 
 
 # ------------------------------------------------------------------------------------------------------ resolving
