@@ -340,15 +340,13 @@ def device_as_json(c: Ctx):
     return c.folder / "scheduler.json"
 
 
-@case({"1": None, "fsdp": "the main process's one line (remove_stale_tmp in resume(), after the load) is not shared: "
-       "rank 1 goes on to the next collective and dies in a gloo traceback"}, level="run")  # fmt: skip
+@case({"1": None, "fsdp": None}, level="run")  # fmt: skip
 def fifo_named_like_a_leftover(c: Ctx):
     os.mkfifo(c.root / ".tmp_step_99")
     return c.root / ".tmp_step_99"
 
 
-@case({"1": "a FIFO named run_config.json or metrics.jsonl in the output folder: the resumed run opens it to write "
-       "and blocks forever, printing nothing"}, level="run", background=True)  # fmt: skip
+@case({"1": None}, level="run", background=True)  # fmt: skip
 def fifos_in_the_output_folder(c: Ctx):
     for name in ("run_config.json", "metrics.jsonl"):
         os.remove(c.out / name)
@@ -356,8 +354,7 @@ def fifos_in_the_output_folder(c: Ctx):
     return [("run_config.json", "metrics.jsonl")]  # either one
 
 
-@case({"1": "lock.acquire: os.ftruncate on a FIFO named .accel-trainer.lock raises OSError EINVAL: a traceback (under "
-       "FSDP: a rank 0 traceback and 'the main process failed (OSError: [Errno 22] Invalid argument)')"}, level="run")  # fmt: skip
+@case({"1": None}, level="run")  # fmt: skip
 def fifo_as_the_lock(c: Ctx):
     os.remove(c.out / ".accel-trainer.lock")
     os.mkfifo(c.out / ".accel-trainer.lock")
@@ -408,16 +405,14 @@ def traversal_in_the_manifest(c: Ctx):
     return c.folder / "manifest.json"
 
 
-@case({"1": "a manifest name holding a newline is printed as is: the error becomes two `error:` lines, the second "
-       "written by the attacker"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def newline_in_a_manifest_name(c: Ctx):
     fake = "notes\nerror: nothing is wrong, resuming"
     edit_json(c.folder / "manifest.json", lambda m: m["files"].update({fake: {"size": 1, "sha256": "0" * 64}}))
     return c.folder / "manifest.json"
 
 
-@case({"1": "run_config.json and metrics.jsonl are written through links: files outside the output folder are "
-       "overwritten and appended to"}, level="run")  # fmt: skip
+@case({"1": None}, level="run")  # fmt: skip
 def links_out_of_the_output_folder(c: Ctx):
     victims = {}
     for name in ("run_config.json", "metrics.jsonl"):
@@ -462,8 +457,7 @@ def header_claims_a_huge_shape(c: Ctx):
     return target
 
 
-@case({"fsdp": "verify.sharded_tensors parses DCP_SHARDING_INFO with json.loads and catches ValueError/TypeError/"
-       "KeyError, not RecursionError: 'the main process failed (RecursionError ...)' and a rank 0 traceback"})  # fmt: skip
+@case({"fsdp": None})  # fmt: skip
 def deep_sharding_info(c: Ctx):
     target = c.shards()[0]
     header, data = st_read(target)
@@ -517,8 +511,7 @@ def inline_tensor_of_the_wrong_size(c: Ctx):
     return c.folder / "rng_state_0.json"
 
 
-@case({"1": "codec.decode: a @dict key that is a tuple holding a list is unhashable: TypeError escapes the verifier, "
-       "a traceback (under FSDP: 'the main process failed (TypeError ...)' and a rank 0 traceback)"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def unhashable_dict_key(c: Ctx):
     edit_json(
         c.folder / "scheduler.json", lambda d: d["state"].update(lr_lambdas=[{"@dict": [[{"@tuple": [[1]]}, 1]]}])
@@ -527,8 +520,7 @@ def unhashable_dict_key(c: Ctx):
     return c.folder / "scheduler.json"
 
 
-@case({"1": "codec.decode: {'@numpy': ['uint8', 300]} raises OverflowError, which the verifier does not catch: a "
-       "traceback"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def numpy_scalar_out_of_range(c: Ctx):
     edit_json(
         c.folder / "rng_state_0.json",
@@ -556,8 +548,7 @@ def json_of_another_checkpoint(c: Ctx):
     return c.folder / "scheduler.json"
 
 
-@case({"1": None, "fsdp": "DCP shards carry no step (their safetensors metadata is DCP's own): model/ shards copied "
-       "from step_4 are resumed, exit 0 with other numbers"})  # fmt: skip
+@case({"1": None, "fsdp": None})  # fmt: skip
 def weights_of_another_checkpoint(c: Ctx):
     for target in c.weights():
         shutil.copy(c.good(str(target.relative_to(c.folder))), target)
@@ -565,8 +556,7 @@ def weights_of_another_checkpoint(c: Ctx):
     return c.weights()[0] if c.kind == "1" else c.folder / "model"
 
 
-@case({"fsdp": "DCP offsets swapped between the two ranks' shards still tile each tensor: rows resumed in each "
-       "other's place, exit 0 with other numbers"})  # fmt: skip
+@case({"fsdp": None})  # fmt: skip
 def shard_offsets_swapped(c: Ctx):
     a, b = c.shards()
     (ha, da), (hb, db) = st_read(a), st_read(b)
@@ -590,9 +580,7 @@ def shard_offsets_overlap(c: Ctx):
     return [str(c.folder), "0.weight"]
 
 
-@case({"fsdp": "an empty chunk at rank 0's offsets passes the tiling check; torch's reader then fails and DCP's "
-       "CheckpointException is a BaseException, which load._dcp_load's `except Exception` does not catch: "
-       "tracebacks on every rank"})  # fmt: skip
+@case({"fsdp": None})  # fmt: skip
 def empty_chunk_at_a_ranks_offsets(c: Ctx):
     model = c.folder / "model"
     for i in range(50):  # torch's reader takes the last file listed for a chunk's offsets: make it ours
@@ -613,8 +601,7 @@ def rng_state_empty(c: Ctx):
     return c.folder / "rng_state_0.json"
 
 
-@case({"1": None, "fsdp": "a rank's own load error (its rng_state_1.json) is not shared: rank 1 says one line, rank 0 "
-       "prints 'Resumed from', goes on and dies at the next collective in a gloo traceback"}, loaded=True)  # fmt: skip
+@case({"1": None, "fsdp": None}, loaded=True)  # fmt: skip
 def rng_state_of_wrong_types(c: Ctx):
     rel = "rng_state_0.json" if c.kind == "1" else "rng_state_1.json"
     edit_json(c.folder / rel, lambda d: d.update(state={"python": "x", "numpy": 1, "torch": [1]}))
@@ -622,8 +609,7 @@ def rng_state_of_wrong_types(c: Ctx):
     return c.folder / rel
 
 
-@case({"1": "state.set_rng_states catches TypeError/ValueError/RuntimeError/IndexError, not the OverflowError of "
-       "random.setstate for a Python state holding 2**70: a traceback"}, loaded=True)  # fmt: skip
+@case({"1": None}, loaded=True)  # fmt: skip
 def rng_state_out_of_range(c: Ctx):
     edit_json(
         c.folder / "rng_state_0.json", lambda d: d["state"]["python"]["@tuple"][1]["@tuple"].__setitem__(0, 2**70)
@@ -648,7 +634,7 @@ def weights_nan(c: Ctx):
     return target
 
 
-@case({"1": "the verifier refuses NaN but not Inf: infinite weights are resumed, exit 0 with other numbers"})
+@case({"1": None})
 def weights_inf(c: Ctx):
     target = c.weights()[0]
     st_edit(target, lambda t, m: t["0.weight"].__setitem__((0, 0), np.inf))
@@ -656,8 +642,7 @@ def weights_inf(c: Ctx):
     return target
 
 
-@case({"1": "a model/ folder of DCP shards next to model.safetensors: both verified, the shards (here step_4's "
-       "weights, which carry no step) silently loaded instead, exit 0 with other numbers"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def two_sets_of_weights(c: Ctx):
     tensors, _ = st_load(c.good("model.safetensors"))
     (c.folder / "model").mkdir()
@@ -692,8 +677,7 @@ def optimizer_of_another_model_size(c: Ctx):
     return [str(c.folder), "optimizer"]
 
 
-@case({"1": "load_optimizer checks the tensor names in the files, not where optimizer.json puts them: 0.bias's exp_avg "
-       "referencing 3.bias's tensor is loaded, and Adam fails at the first update (RuntimeError: size mismatch)"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def optimizer_references_swapped(c: Ctx):
     def swap(d):
         s = d["state"]["state"]
@@ -704,16 +688,14 @@ def optimizer_references_swapped(c: Ctx):
     return c.folder / "optimizer.json"
 
 
-@case({"1": "optimizer.json's param_groups are compared with this run's by their params only: an lr of another kind "
-       "(a string) is loaded and Adam fails at the first update (TypeError, a traceback)"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def param_group_of_another_kind(c: Ctx):
     edit_json(c.folder / "optimizer.json", lambda d: d["state"]["param_groups"][0].update(lr="0.01"))
     rehash(c.folder)
     return c.folder / "optimizer.json"
 
 
-@case({"1": "an optimizer step count of -1 is loaded: Adam divides by zero at the first update (ZeroDivisionError, a "
-       "traceback)"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def optimizer_step_count_negative(c: Ctx):
     st_edit(c.folder / "optimizer.safetensors",
             lambda t, m: t.update({k: np.array(-1.0, np.float32) for k in t if k.endswith(".step")}))  # fmt: skip
@@ -721,8 +703,7 @@ def optimizer_step_count_negative(c: Ctx):
     return [str(c.folder), "optimizer"]
 
 
-@case({"1": "a NaN learning rate in optimizer.json's param group is loaded (JSON takes NaN): the run ends with exit 0 "
-       "and NaN weights (eval_loss nan)"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def nan_learning_rate(c: Ctx):
     edit_json(c.folder / "optimizer.json", lambda d: d["state"]["param_groups"][0].update(lr=float("nan")))
     rehash(c.folder)
@@ -736,16 +717,14 @@ def scheduler_with_extra_keys(c: Ctx):
     return c.folder / "scheduler.json"
 
 
-@case({"1": "scheduler.json's last_epoch is not checked against global_step: a schedule 10**6 steps ahead resumes "
-       "with learning rate 0, exit 0"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def scheduler_far_ahead(c: Ctx):
     edit_json(c.folder / "scheduler.json", lambda d: d["state"].update(last_epoch=10**6))
     rehash(c.folder)
     return c.folder / "scheduler.json"
 
 
-@case({"1": "trainer_state.json's epoch is bounded (2**40) but not checked against global_step and the epoch's length: "
-       "epoch 2**39 at step 9 resumes, exit 0, 'epoch 549755813888'"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def epoch_far_ahead(c: Ctx):
     edit_json(c.folder / "trainer_state.json", lambda s: s.update(epoch=2**39))
     edit_json(c.folder / "manifest.json", lambda m: m.update(epoch=2**39))
@@ -753,8 +732,7 @@ def epoch_far_ahead(c: Ctx):
     return c.folder / "trainer_state.json"
 
 
-@case({"1": "a batch_in_epoch past the epoch passes the verifier; the run then blames the recipe ('The train loader "
-       "yielded 1000 batches in epoch 0 but its len() is 16 ... Make __len__ match'), naming no checkpoint file"})  # fmt: skip
+@case({"1": None})  # fmt: skip
 def batch_past_the_epoch(c: Ctx):
     edit_json(c.folder / "trainer_state.json", lambda s: s.update(batch_in_epoch=1000))
     edit_json(c.folder / "manifest.json", lambda m: m.update(batch_in_epoch=1000))
@@ -774,8 +752,7 @@ def second_run_on_a_running_folder(c: Ctx):
     return [f"{c.out} is in use by another run (process {os.getpid()} "]
 
 
-@case({"1": "a checkpoints/ that is a link into a running run's folder is followed: the second run resumes from the "
-       "first's checkpoints and writes its own over them (both exit 0, on FSDP too); only output_dir is locked"},
+@case({"1": None},
       level="run", max_steps=12)  # fmt: skip
 def checkpoints_linked_into_a_running_run(c: Ctx):
     fd = hold_lock(c.out)  # the first run, in c.out
@@ -797,9 +774,7 @@ def read_only_output_folder(c: Ctx):
     return [str(c.out), "Read-only file system"]
 
 
-@case({"1": None, "fsdp": "the lock's record write fails with ENOSPC, an OSError that lock.acquire does not turn into a "
-       "UserError: rank 0 says 'The disk is full', rank 1 'output_dir: the main process failed (OSError: [Errno 28] "
-       "...)': two lines"}, level="run", mount="full")  # fmt: skip
+@case({"1": None, "fsdp": None}, level="run", mount="full")  # fmt: skip
 def full_output_folder(c: Ctx):
     return [str(c.out), "disk is full"]
 
@@ -1084,14 +1059,10 @@ def test_crafted_checkpoints_are_refused_and_latest_falls_back(catalogue, kind):
     assert not result.problems, "\n".join(result.problems)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason="`latest` skips only what the verifier refuses: a "
-                  "checkpoint refused when loaded (int8 weights, another optimizer size, a scheduler of other fields, "
-                  "an RNG state of wrong types), one whose check raises a traceback, and the silent ones above are "
-                  "chosen, and the run fails or resumes from them")) for k in KINDS],
-)  # fmt: skip
+@pytest.mark.parametrize("kind", KINDS)
 def test_latest_skips_every_crafted_checkpoint(catalogue, kind):
+    """Every crafted checkpoint at once, all newer than step_8: `latest` skips each one, naming it -- those the
+    verifier refuses and those refused by the checks against the run -- and resumes from step_8."""
     result = catalogue(kind)["latest_all"]
     assert not result.problems, "\n".join(result.problems)
 
@@ -1104,11 +1075,11 @@ STREAM_CASES = {
     "copied_from_step_4": (None, None),
     "loader_state_garbage": (
         lambda s: s.update(loader={"_sampler_iter_state": "x", "_num_yielded": "y", "dataset_state": [1]}),
-        "the loader's state is handed to StatefulDataLoader.load_state_dict unchecked: KeyError, a traceback",
+        None,
     ),
     "loader_state_reset": (
         lambda s: s.update(loader={}),
-        "a loader state {} mid-epoch (batch_in_epoch 8) restarts the stream from its start: exit 0, other samples",
+        None,
     ),
 }
 

@@ -116,7 +116,6 @@ def check(accelerator, path: str, model, optimizer, scheduler, ema=None) -> Plan
     optimizer's state, built empty with a zero-lr step where it had none, as torch's get_optimizer_state_dict
     does). CheckpointError naming the file and the field."""
     from accelerate.utils import DistributedType
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     sharded_run = accelerator.distributed_type == DistributedType.FSDP
     saved = check_state(path)
@@ -131,7 +130,7 @@ def check(accelerator, path: str, model, optimizer, scheduler, ema=None) -> Plan
     opt = ckpt_state.inner(optimizer)
     # The optimizer's state as this run holds it, the template its checkpoint must fit. First: for an optimizer with
     # no state yet, torch builds it with a zero-lr step, which must not act on weights already loaded.
-    template = get_optimizer_state_dict(plain, opt)
+    template = ckpt_state.state_dict_api("get_optimizer_state_dict", plain, opt)
     frozen = _check_weights(path, plain, sharded)
     optimizer_shards = _check_optimizer(path, template, step, sharded)
     _check_fields(path, ckpt_state.SCHEDULER_FILE, step, scheduler, saved)
@@ -186,10 +185,13 @@ def _check_weights(path: str, model, sharded: bool) -> dict:
     """The checkpoint's weights fit `model` (names, shapes, dtypes; a frozen base's fingerprints); returns the
     frozen parameters' fingerprints ({} when the checkpoint holds every weight)."""
     if sharded:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         found = sharded_tensors(path, shard_files(path, ckpt_state.SHARDED_MODEL), scan=False)
-        check_tensors(path, os.path.join(path, ckpt_state.SHARDED_MODEL), found, get_model_state_dict(model))
+        check_tensors(
+            path,
+            os.path.join(path, ckpt_state.SHARDED_MODEL),
+            found,
+            ckpt_state.state_dict_api("get_model_state_dict", model),
+        )
         return {}
     file = os.path.join(path, ckpt_state.MODEL_FILE)
     found, state = file_tensors(path, file), model.state_dict()
@@ -210,13 +212,14 @@ def load_weights(path: str, model, sharded: bool, frozen: dict | None = None):
         if set(missing) - set(frozen or {}):  # checked first: a tie this model does not have
             raise CheckpointError(f"Checkpoint {path}: {file} lacks {sorted(set(missing) - set(frozen or {}))[:3]}.")
         return
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    state = get_model_state_dict(model)  # names without wrapper prefixes, this rank's shards
+    state = ckpt_state.state_dict_api(
+        "get_model_state_dict", model
+    )  # names without wrapper prefixes, this rank's shards
     _dcp_load(
         path, os.path.join(path, ckpt_state.SHARDED_MODEL), {k: v for k, v in state.items() if torch.is_tensor(v)}
     )
-    set_model_state_dict(model, state)
+    ckpt_state.state_dict_api("set_model_state_dict", model, state)
 
 
 def _check_frozen(path: str, model) -> dict:
@@ -320,7 +323,6 @@ def load_optimizer(path: str, model, opt, template: dict, step: int, in_shards: 
     """Phase 2 of the optimizer: its tensors (whole ones from optimizer.safetensors, sharded ones by DCP into the
     template's), then set_optimizer_state_dict."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     from . import codec
 
@@ -335,7 +337,7 @@ def load_optimizer(path: str, model, opt, template: dict, step: int, in_shards: 
     file = os.path.join(path, ckpt_state.OPTIMIZER_FILE)
     state = read_state_file(path, file, step, tensors)
     try:
-        set_optimizer_state_dict(model, opt, state)
+        ckpt_state.state_dict_api("set_optimizer_state_dict", model, opt, state)
     except Exception as e:  # noqa: BLE001 - the optimizer refused the state: the checkpoint's, named
         raise CheckpointError(f"Checkpoint {path}: the optimizer cannot load {file} ({why(e)}).") from None
 
@@ -395,12 +397,11 @@ def load_resharded(path: str, model, optimizer=None) -> dict:
     processes, DDP-wrapped or plain on one process -- from a sharded or a full checkpoint (e.g. a 2-process FSDP
     checkpoint into a notebook's model). Every rank calls it (with several processes it is collective). Weights
     and optimizer state come back bit for bit. Returns the checkpoint's trainer state."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     saved = check_state(path)
     sharded = is_sharded_checkpoint(path)
     opt = ckpt_state.inner(optimizer) if optimizer is not None else None
-    template = get_optimizer_state_dict(model, opt) if opt is not None else None
+    template = ckpt_state.state_dict_api("get_optimizer_state_dict", model, opt) if opt is not None else None
     frozen = _check_weights(path, model, sharded)
     shards = _check_optimizer(path, template, saved["global_step"], sharded) if opt is not None else None
     load_weights(path, model, sharded, frozen)

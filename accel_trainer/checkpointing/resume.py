@@ -17,6 +17,7 @@ from .folder import (
     STATE_FILE,
     CheckpointError,
     checkpoints_root,
+    is_real_folder,
     list_checkpoints,
     not_checkpoints,
     remove_stale_tmp,
@@ -47,6 +48,12 @@ def resolve_resume_path(spec: str, output_dir: str, log=warn, skip=()) -> str | 
         for path in not_checkpoints(output_dir):
             log(f"warning: skipping {path}: named like a checkpoint, but not a folder (a symbolic link, a file): not "
                 "one this run wrote.")  # fmt: skip
+        root = checkpoints_root(output_dir)
+        if os.path.lexists(root) and not is_real_folder(root):
+            raise CheckpointError(
+                f"--resume_from_checkpoint {spec}: {root} is not a folder (a file, a FIFO or a link): the run keeps its "
+                "checkpoints in a folder of that name. Move it away, or pass the folder of a checkpoint."
+            )
         found = [p for p in list_checkpoints(output_dir) if p not in skip]
         if not found:
             if spec == "auto":

@@ -60,6 +60,21 @@ class Captured:
     small: dict  # file name -> state, written by this rank now (scheduler, scaler on the main process; its RNG)
 
 
+def state_dict_api(name: str, *args, **kwargs):
+    """torch.distributed.checkpoint.state_dict's function `name` called, then the collector's youngest generation
+    collected: each call leaves a reference cycle holding the model (a recursive closure over the modules it
+    visited, made while torch keeps the collector off), which would keep a dropped Trainer's model alive until a
+    collection. (Cheap: the cycle is all the youngest generation holds.)"""
+    import gc
+
+    from torch.distributed.checkpoint import state_dict
+
+    try:
+        return getattr(state_dict, name)(*args, **kwargs)
+    finally:
+        gc.collect(0)
+
+
 def is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -75,18 +90,16 @@ def capture(accelerator, model, optimizer, scheduler, step: int, sharded: bool, 
     """Every rank: what a checkpoint at this update holds. Collective under FSDP (the state dicts of a sharded model
     are read on every rank). `frozen`: the fingerprints of the model's frozen parameters as built (frozen());
     while they are unchanged, the checkpoint holds them, not the weights."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     main = accelerator.is_main_process
     weights = optim = None
     small = {}
     if sharded:
-        weights = get_model_state_dict(model)
-        optim = get_optimizer_state_dict(model, inner(optimizer))
+        weights = state_dict_api("get_model_state_dict", model)
+        optim = state_dict_api("get_optimizer_state_dict", model, inner(optimizer))
     elif main:
         plain = accelerator.unwrap_model(model, keep_torch_compile=False)
         weights = plain.state_dict()
-        optim = get_optimizer_state_dict(plain, inner(optimizer))
+        optim = state_dict_api("get_optimizer_state_dict", plain, inner(optimizer))
         if frozen and fingerprints(plain, frozen) == frozen:
             weights = {k: v for k, v in weights.items() if k not in frozen}
             small[FROZEN_FILE] = frozen
