@@ -209,6 +209,13 @@ class Stream:
                 f"Checkpoint {folder}: {path} does not hold this rank's position in the stream at the checkpoint's "
                 f"epoch {saved['epoch']}, batch {saved['batch_in_epoch']}. Resume from another checkpoint."
             )
+        # the loader's own state, fresh, is the template (torchdata applies a state only when the next epoch's
+        # iterator starts: a state of another make failed there, after "Resumed from", in a traceback)
+        if state["loader"] is not None and not _same_make(state["loader"], self.loader.state_dict()):
+            raise CheckpointError(
+                f"Checkpoint {folder}: {path} holds a loader state of another make than this stream's "
+                "(torchdata's StatefulDataLoader). Resume from another checkpoint."
+            )
         self.epoch, self.batch_in_epoch, self.state = state["epoch"], state["batch_in_epoch"], state["loader"]
         set_epoch(self.loader, self.epoch)
         if self.state is not None:
@@ -219,3 +226,23 @@ class Stream:
                     f"Checkpoint {folder}: {path} holds a loader state the stream cannot take ({why(e)}). Resume from "
                     "another checkpoint."
                 ) from None
+
+
+def _same_make(saved, template) -> bool:
+    """`saved` has `template`'s make: dicts with the same keys, all the way down; values of its kinds where both
+    are set (a mid-epoch state fills what a fresh one leaves None; lists may have other lengths)."""
+    if saved is None or template is None:
+        return True
+    if isinstance(template, dict):
+        return (
+            isinstance(saved, dict)
+            and set(saved) == set(template)
+            and all(_same_make(saved[k], template[k]) for k in template)
+        )
+    if isinstance(template, bool) or isinstance(saved, bool):
+        return type(saved) is type(template)
+    if isinstance(template, (int, float)):
+        return isinstance(saved, (int, float))
+    if isinstance(template, (list, tuple)):
+        return isinstance(saved, (list, tuple))
+    return type(saved) is type(template)

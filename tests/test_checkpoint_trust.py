@@ -191,6 +191,8 @@ def relabel(folder: Path, step: int):
                     meta["step"] = str(step)
 
             st_edit(path, restep)
+            if re.search(r"\.step_\d+\.safetensors$", path.name):  # DCP shards are named for their step
+                path.rename(path.with_name(re.sub(r"\.step_\d+\.", f".step_{step}.", path.name)))
     edit_json(
         folder / "manifest.json",
         lambda m: m.update(step=step, epoch=state["epoch"], batch_in_epoch=state["batch_in_epoch"]),
@@ -550,8 +552,12 @@ def json_of_another_checkpoint(c: Ctx):
 
 @case({"1": None, "fsdp": None})  # fmt: skip
 def weights_of_another_checkpoint(c: Ctx):
-    for target in c.weights():
-        shutil.copy(c.good(str(target.relative_to(c.folder))), target)
+    for target in c.weights():  # a careless copy: step_4's files as they are, over this checkpoint's
+        target.unlink()
+        source = c.good(str(target.relative_to(c.folder)))
+        if c.kind != "1":  # DCP shards: step_4's, under their own names
+            source = next(source.parent.glob(re.sub(r"\.step_\d+\.", ".step_*.", source.name)))
+        shutil.copy(source, target.parent / source.name)
     rehash(c.folder)
     return c.weights()[0] if c.kind == "1" else c.folder / "model"
 

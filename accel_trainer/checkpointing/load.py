@@ -366,7 +366,7 @@ def _check_fields(path: str, name: str, step: int, target, saved_state: dict):
         )
     saved, live = read_state_file(path, file, step), target.state_dict()
     wrong = sorted(map(str, set(saved) ^ set(live))) if isinstance(saved, dict) else ["everything"]
-    wrong += [k for k in set(saved) & set(live) if not _same_kind(saved[k], live[k])] if not wrong else []
+    wrong += [k for k in set(saved) & set(live) if not same_kind(saved[k], live[k])] if not wrong else []
     steps = saved.get("last_epoch") if isinstance(saved, dict) and not wrong else None
     if type(steps) is int and not -1 <= steps <= step + 1:  # once per update that stepped, at most
         wrong.append(f"last_epoch {steps} (the run is at step {step})")
@@ -378,7 +378,7 @@ def _check_fields(path: str, name: str, step: int, target, saved_state: dict):
         )
 
 
-def _same_kind(a, b) -> bool:
+def same_kind(a, b) -> bool:
     """`a` (a checkpoint's) is a value of `b`'s kind: a number (finite where b is), a flag, a list as long, ..."""
     number = (int, float)
     if isinstance(a, bool) or isinstance(b, bool):
@@ -386,9 +386,9 @@ def _same_kind(a, b) -> bool:
     if isinstance(a, number) and isinstance(b, number):
         return math.isfinite(a) or not math.isfinite(b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_kind(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_kind(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return set(a) == set(b) and all(_same_kind(a[k], b[k]) for k in a)
+        return set(a) == set(b) and all(same_kind(a[k], b[k]) for k in a)
     return a is None or b is None or type(a) is type(b)
 
 

@@ -80,13 +80,7 @@ def acquire(output_dir: str, say=None) -> OutputLock:
         old.fd = None
         _held[real] = lock
         return lock
-    for sub in ("checkpoints", "best"):  # the run writes into these: its own folders, never links elsewhere
-        if os.path.islink(os.path.join(real, sub)):
-            raise OutputDirInUse(
-                f"{os.path.join(output_dir, sub)} is a symbolic link (to {os.path.realpath(os.path.join(real, sub))}): "
-                "a run keeps its checkpoints and best model in its own output folder, which it locks; through a "
-                "link two runs would write into one. Link the whole --output_dir instead, or remove the link."
-            )
+    check_own_entries(output_dir)
     path = os.path.join(real, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
@@ -129,6 +123,34 @@ def acquire(output_dir: str, say=None) -> OutputLock:
     lock = OutputLock(real, fd)
     _held[real] = lock
     return lock
+
+
+# What a run writes in its output folder, by name: each must be what the run writes there (a folder, a file), never a
+# link (through one, two runs wrote into one folder, or a file outside was written over) nor a FIFO (the run blocked
+# forever opening it). Checked before the run reads or writes anything there, so a refusal leaves all as it was.
+OWN_FOLDERS = ("checkpoints", "best")
+OWN_FILES = ("run_config.json", "metrics.jsonl", "model.safetensors", "error_after_training.txt")
+
+
+def check_own_entries(output_dir: str):
+    for name in OWN_FOLDERS + OWN_FILES:
+        path = os.path.join(output_dir, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            raise OutputDirInUse(
+                f"{path} is a symbolic link (to {os.path.realpath(path)}): the run keeps its own {name} in its output "
+                "folder, which it locks; through a link it would write where another run or file is. Link the whole "
+                "--output_dir instead, or remove the link."
+            )
+        if not (stat.S_ISDIR(mode) if name in OWN_FOLDERS else stat.S_ISREG(mode)):
+            kind = "folder" if name in OWN_FOLDERS else "regular file"
+            raise OutputDirInUse(
+                f"{path} is not a {kind} (a FIFO, a device, ...): the run writes its own {name} there. Move it away, "
+                "or give another --output_dir."
+            )
 
 
 def _holder(fd: int) -> str:
