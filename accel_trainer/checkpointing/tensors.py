@@ -10,6 +10,8 @@ import math
 import os
 import re
 
+import torch
+
 from ..errors import why
 from . import codec
 from .folder import CheckpointError
@@ -59,14 +61,18 @@ def _non_finite(f, name: str, no_inf: bool) -> bool:
     if not _SAFETENSORS_DTYPES.get(part.get_dtype(), "").startswith(("float", "bfloat")):
         return False  # integers, bools: no NaN to hold
     if not shape or shape[0] == 0:
-        t = f.get_tensor(name)
-        return bool(t.isnan().any() or (no_inf and t.isinf().any()))
+        return _has_non_finite(f.get_tensor(name), no_inf)
     rows = max(1, (1 << 24) // max(1, math.prod(shape[1:])))
-    for start in range(0, shape[0], rows):
-        t = part[start : start + rows]
-        if t.isnan().any() or (no_inf and t.isinf().any()):
-            return True
-    return False
+    return any(_has_non_finite(part[start : start + rows], no_inf) for start in range(0, shape[0], rows))
+
+
+def _has_non_finite(t, no_inf: bool) -> bool:
+    # One pass (torch's aminmax propagates NaN): the extremes hold a NaN if any element does, and an infinity if
+    # any element is one (a buffer's -inf is allowed where `no_inf` is off).
+    if t.numel() == 0:
+        return False
+    low, high = (float(x) for x in torch.aminmax(t))
+    return math.isnan(low) or math.isnan(high) or (no_inf and (math.isinf(low) or math.isinf(high)))
 
 
 SHARD_FILE = re.compile(r"^shard-(\d{5})\.step_(\d+)\.safetensors$")  # state.name_shards: the rank and the step
