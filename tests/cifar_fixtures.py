@@ -1,4 +1,5 @@
-"""A tiny learnable CIFAR-10 in both on-disk layouts, written by the tests themselves (no download)."""
+"""A tiny learnable CIFAR-10 in both on-disk layouts, and a tiny ViT with its image processor, written by the tests
+themselves (no download)."""
 
 import io
 import os
@@ -63,3 +64,20 @@ def make_tiny_cifar(root, n_train=240, n_test=60) -> dict:
     write_hub_layout(os.path.join(root, "hub"), train, test)
     pickles = write_pickle_folder(os.path.join(root, "pickle"), train, test)
     return {"hub": os.path.join(root, "hub"), "pickle": pickles, "train": train, "test": test}
+
+
+def make_tiny_vit(folder: str) -> str:
+    """A 2-layer, 32-wide ViT encoder (no classification head: the recipe adds one, as on a pretrained checkpoint)
+    of 16x16 images in 4x4 patches, and its image processor (resize to 16x16, scale to [-1, 1]), saved in `folder`."""
+    import torch
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        ViTModel(config, add_pooling_layer=False).save_pretrained(folder)
+    ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(
+        folder
+    )
+    return folder

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from cifar_fixtures import make_tiny_cifar
+from cifar_fixtures import make_tiny_cifar, make_tiny_vit
 from helpers import RECIPES, ROOT, env
 from test_token_classification import make_config as make_tokcls_config
 from test_token_classification import make_data as make_tokcls_data
@@ -26,7 +26,8 @@ RECIPE_NAMES = [
 
 
 def test_every_recipe_module_is_covered():
-    assert set(RECIPE_NAMES) == {"regression", "cifar", "glue", "causal_lm", "token_classification"}, RECIPE_NAMES
+    shipped = {"regression", "cifar", "glue", "causal_lm", "token_classification", "lora", "vision"}
+    assert set(RECIPE_NAMES) == shipped, RECIPE_NAMES
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
@@ -61,6 +62,7 @@ def data(tmp_path_factory):
         "gpt2": make_tiny_gpt2(str(root / "tiny-gpt2")),
         "text": {"train": train, "valid": valid},
         "tokcls": {"model": make_tokcls_config(str(root / "tokcls-bert")), **make_tokcls_data(str(root / "tokcls"))},
+        "vit": make_tiny_vit(str(root / "tiny-vit")),
     }
 
 
@@ -80,6 +82,10 @@ def user_values(name, data) -> dict:
         "token_classification": {"config_name": data["tokcls"]["model"], "tokenizer_name": data["tokcls"]["model"],
                                  "dataset_name": data["tokcls"]["folder"], "cache_dir": data["cache"],
                                  "per_device_train_batch_size": 4},
+        "lora": {"model_name_or_path": data["bert"], "dataset_name": data["glue"], "cache_dir": data["cache"],
+                 "lora_r": 4, "per_device_train_batch_size": 4},
+        "vision": {"model_name_or_path": data["vit"], "dataset_name": data["cifar"], "cache_dir": data["cache"],
+                   "horizontal_flip": False, "per_device_train_batch_size": 4},
     }[name]  # fmt: skip
 
 

@@ -17,7 +17,7 @@ import types
 
 import pytest
 import torch
-from cifar_fixtures import tiny_arrays, write_hub_layout
+from cifar_fixtures import make_tiny_vit, tiny_arrays, write_hub_layout
 from helpers import RECIPES, flags, launch_cmd, metrics, run_config
 from procs import Launch
 from safetensors.torch import load_file
@@ -30,22 +30,6 @@ DEADLINE = 420  # seconds one launch may take on a loaded 2-core machine (they t
 # no dropout (1 and 2 processes then make the same updates)
 COMMON = dict(max_steps=12, save_steps=4, logging_steps=4, per_device_eval_batch_size=4, mixed_precision="no",
               warmup_ratio=0, seed=0, disable_tqdm=True)  # fmt: skip
-
-
-def make_tiny_vit(folder: str) -> str:
-    """A 2-layer, 32-wide ViT encoder (no classification head: the recipe adds one, as on a pretrained checkpoint)
-    of 16x16 images in 4x4 patches, and its image processor (resize to 16x16, scale to [-1, 1]), saved in `folder`."""
-    from transformers import ViTConfig, ViTImageProcessor, ViTModel
-
-    config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                       intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        ViTModel(config, add_pooling_layer=False).save_pretrained(folder)
-    ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(
-        folder
-    )
-    return folder
 
 
 @pytest.fixture(scope="module")

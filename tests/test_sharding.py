@@ -182,7 +182,7 @@ def test_the_full_model_and_the_sharded_checkpoint(reg):
     assert ckpt_verify.is_sharded_checkpoint(last)
     manifest = json.load(open(os.path.join(last, "manifest.json")))
     for folder in ("model", "optimizer"):  # each rank's shards (DCP in safetensors), no pickle
-        shards = {f"{folder}/shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)}
+        shards = {f"{folder}/shard-0000{r}.step_20.safetensors" for r in (1, 2)}  # named for their step
         assert shards <= set(manifest["files"])
     assert not [f for f in manifest["files"] if not f.endswith((".json", ".safetensors"))]
     # ... loads into the plain model on this one process: exactly the weights the run ended with
@@ -216,17 +216,17 @@ def test_sharded_checkpoint_safety(reg, tmp_path):
     step = os.path.join(reg.out["fsdp"], "checkpoints", "step_8")
     copy = tmp_path / "step_8"
     shutil.copytree(step, copy)
-    shard = copy / "optimizer" / "shard-00002-model-00001-of-00001.safetensors"
+    shard = copy / "optimizer" / "shard-00002.step_8.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    with pytest.raises(ckpt_folder.CheckpointError, match="shard-00002-model-00001-of-00001.safetensors is corrupt"):
+    with pytest.raises(ckpt_folder.CheckpointError, match="shard-00002.step_8.safetensors is corrupt"):
         ckpt_verify.verify_checkpoint(str(copy))
     # A chunk moved to another rank's place (its offsets rewritten in the shard's header, the manifest re-hashed):
     # the two ranks' chunks overlap, and the tensor would load with one part twice and another not at all.
     copy = tmp_path / "moved"
     shutil.copytree(step, copy)
-    second = copy / "model" / "shard-00002-model-00001-of-00001.safetensors"
+    second = copy / "model" / "shard-00002.step_8.safetensors"
     tensors, header = load_file(second), json.loads(safe_metadata(second)["DCP_SHARDING_INFO"])
     header["0.weight"]["saved_offsets"] = [0, 0]
     save_file(tensors, second, metadata={**safe_metadata(second), "DCP_SHARDING_INFO": json.dumps(header)})
