@@ -230,6 +230,10 @@ def on_update_end(trainer):
         raise RuntimeError(f"test fault: a handler fails after step {step}")
     if f.get("sigint_at") == (step,):
         _faulted.set()
+        # Ctrl-C at a terminal, where Python's handler is installed. A process started in the background of a
+        # script (`cmd &`, as CI's lanes are) inherits SIGINT ignored, and Python then installs none: put it back.
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         os.kill(os.getpid(), signal.SIGINT)  # Python's default handler: KeyboardInterrupt in the main thread, now
 
 
