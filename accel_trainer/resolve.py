@@ -107,7 +107,7 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
     targs.output_dir = output_dir_of(targs, recipe)  # after configure: a preset may name the folder
     # A resumed run continues the run it resumes: what the user left out comes from that run's record.
     resumed = record.find(targs.resume_from_checkpoint, targs.output_dir)
-    notes = record.apply(targs, rargs, given, resumed) if resumed is not None else []
+    notes = record.apply(targs, rargs, given, resumed, world) if resumed is not None else []
     return ResolvedArgs(targs, rargs, given, recipe, ctx, resumed, tuple(notes))
 
 

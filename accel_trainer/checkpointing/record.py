@@ -44,13 +44,13 @@ NUMBERS = frozenset({
 RUN_LENGTH = frozenset({"max_steps", "num_train_epochs"})
 
 
-def of(targs, rargs) -> dict:
-    """The record a checkpoint of this run holds."""
+def of(targs, rargs, world_size: int) -> dict:
+    """The record a checkpoint of this run holds (with the world it ran on: the per-device batch is of it)."""
     from dataclasses import asdict, is_dataclass
 
     training = {k: v for k, v in targs.to_dict().items() if k not in INVOCATION}
     recipe = asdict(rargs) if is_dataclass(rargs) else {}
-    return {"training": training, "recipe": recipe}
+    return {"training": training, "recipe": recipe, "world_size": world_size}
 
 
 def read(path: str) -> dict | None:
@@ -81,14 +81,19 @@ def find(spec: str | None, output_dir: str) -> tuple[str, dict] | None:
     return (spec, record) if record is not None else None
 
 
-def apply(targs, rargs, given: frozenset, found: tuple[str, dict]) -> list[str]:
+def apply(targs, rargs, given: frozenset, found: tuple[str, dict], world_size: int | None = None) -> list[str]:
     """Take the record's values for what the user left out; refuse a given value that changes the numbers
-    (unless --allow_args_change). Returns note lines for what the user changed that is allowed."""
+    (unless --allow_args_change). Returns note lines for what the user changed that is allowed. On another number
+    of processes than the run had (`world_size`), a per-device train batch left out keeps the run's global batch
+    (the record's is that of the run's world)."""
     path, record = found
     where = os.path.join(path, RECORD_FILE)
     refused, notes = [], []
+    per_device = "per_device_train_batch_size"
+    written_by = record.get("world_size")
+    moved = type(written_by) is int and world_size is not None and written_by != world_size and per_device not in given
     for name, value in record["training"].items():
-        if name in INVOCATION or not hasattr(targs, name):
+        if name in INVOCATION or not hasattr(targs, name) or (moved and name == per_device):
             continue
         mine = getattr(targs, name)
         if name not in given:
@@ -105,6 +110,13 @@ def apply(targs, rargs, given: frozenset, found: tuple[str, dict]) -> list[str]:
             setattr(rargs, name, value)
         elif getattr(rargs, name) != value:
             notes.append(f"--{name} {_shown(getattr(rargs, name))} (the run: {_shown(value)})")
+    if moved and isinstance(record["training"].get(per_device), int):
+        accumulation = targs.gradient_accumulation_steps
+        batch = record["training"][per_device] * written_by * record["training"].get("gradient_accumulation_steps", 1)
+        if batch % (world_size * accumulation) == 0:  # else the global batch check names what to pass (resume.py)
+            targs.per_device_train_batch_size = batch // (world_size * accumulation)
+            notes.append(f"--{per_device} {targs.per_device_train_batch_size} on {world_size} process(es) (the run: "
+                         f"{record['training'][per_device]} on {written_by}: the same global batch)")  # fmt: skip
     if refused:
         raise ArgumentError(
             f"{'; '.join(refused)}: a resumed run continues the run it resumes, whose arguments are in {where}. Drop "
