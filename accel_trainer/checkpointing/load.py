@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,7 @@ from .folder import EMA_FILE, CheckpointError
 from .tensors import read_header, sharded_tensors
 from .verify import check_state, is_sharded_checkpoint, read_state_file
 
-
-def _plain_key(name: str) -> str:
-    """A tensor name without the wrappers' prefixes (DDP `module.`, torch.compile `_orig_mod.`)."""
-    while name.startswith(("module.", "_orig_mod.")):
-        name = name.split(".", 1)[1]
-    return name
+_plain_key = ckpt_state.plain_key
 
 
 def _dtype(t) -> str:
@@ -186,11 +182,13 @@ def _check_weights(path: str, model, sharded: bool) -> dict:
     frozen parameters' fingerprints ({} when the checkpoint holds every weight)."""
     if sharded:
         found = sharded_tensors(path, shard_files(path, ckpt_state.SHARDED_MODEL), scan=False)
+        aliases = ckpt_state.tied_aliases(model)
+        state = ckpt_state.state_dict_api("get_model_state_dict", model)
         check_tensors(
             path,
             os.path.join(path, ckpt_state.SHARDED_MODEL),
             found,
-            ckpt_state.state_dict_api("get_model_state_dict", model),
+            {k: v for k, v in state.items() if k not in aliases},
         )
         return {}
     file = os.path.join(path, ckpt_state.MODEL_FILE)
@@ -213,12 +211,11 @@ def load_weights(path: str, model, sharded: bool, frozen: dict | None = None):
             raise CheckpointError(f"Checkpoint {path}: {file} lacks {sorted(set(missing) - set(frozen or {}))[:3]}.")
         return
 
-    state = ckpt_state.state_dict_api(
-        "get_model_state_dict", model
-    )  # names without wrapper prefixes, this rank's shards
-    _dcp_load(
-        path, os.path.join(path, ckpt_state.SHARDED_MODEL), {k: v for k, v in state.items() if torch.is_tensor(v)}
-    )
+    # names without wrapper prefixes, this rank's shards; a tied alias shares its tensor with the name loaded
+    state = ckpt_state.state_dict_api("get_model_state_dict", model)
+    aliases = ckpt_state.tied_aliases(model)
+    to_load = {k: v for k, v in state.items() if torch.is_tensor(v) and k not in aliases}
+    _dcp_load(path, os.path.join(path, ckpt_state.SHARDED_MODEL), to_load)
     ckpt_state.state_dict_api("set_model_state_dict", model, state)
 
 
@@ -287,6 +284,13 @@ def _unlike(saved, live, step: int, where: str) -> str | None:
     if isinstance(live, dict):
         # a parameter that never had a gradient has no state in the checkpoint; here it has one (torch's zero-lr step)
         missing_ok = where == "state"
+        if isinstance(saved, dict) and where.startswith("param_groups.") and "initial_lr" not in live:
+            # an LR scheduler adds initial_lr to each group; an optimizer loaded before its scheduler is built
+            # (load_resharded in a notebook) has none yet: a finite number is taken, as torch's load takes it
+            lr = saved.get("initial_lr", 0.0)
+            if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr):
+                return f"{here}.initial_lr is {str(lr)[:40]}, not a learning rate"
+            saved = {k: v for k, v in saved.items() if k != "initial_lr"}
         if not isinstance(saved, dict) or set(saved) - set(live) or (set(live) - set(saved) and not missing_ok):
             keys = sorted(map(str, set(saved) ^ set(live)))[:4] if isinstance(saved, dict) else type(saved).__name__
             return f"{here} holds other entries ({keys})"
@@ -314,7 +318,11 @@ def _unlike(saved, live, step: int, where: str) -> str | None:
         if where.endswith(".step") and not 0 <= saved <= step:
             return f"{here} is {saved}, not a step count of a run at step {step}"
         return None
-    if saved != live or type(saved) is not type(live):  # a flag or a name: an optimizer of another make
+    if type(saved) is not type(live) and saved is not None and live is not None:
+        return f"{here} is {str(saved)[:40]}, {str(live)[:40]} here"
+    # A flag or a name of a param group (nesterov, foreach, ...): one of another value is an optimizer of another
+    # make. Deeper, in a value a recipe's optimizer keeps there (a lookahead's `started`), it is state.
+    if re.fullmatch(r"param_groups\.\d+\.[^.]+", where) and saved != live:
         return f"{here} is {str(saved)[:40]}, {str(live)[:40]} here"
     return None
 

@@ -55,7 +55,8 @@ class Captured:
 
     step: int
     sharded: bool
-    weights: dict | None  # the model's state dict (sharded: this rank's DTensors; else on the main process only)
+    weights: dict | None  # the model's state dict (sharded: this rank's DTensors, tied aliases left out; else on
+    # the main process only)
     optimizer: dict | None  # get_optimizer_state_dict (sharded: DTensors; else on the main process only)
     small: dict  # file name -> state, written by this rank now (scheduler, scaler on the main process; its RNG)
 
@@ -73,6 +74,24 @@ def state_dict_api(name: str, *args, **kwargs):
         return getattr(state_dict, name)(*args, **kwargs)
     finally:
         gc.collect(0)
+
+
+def plain_key(name: str) -> str:
+    """A tensor name without the wrappers' prefixes (DDP `module.`, torch.compile `_orig_mod.`)."""
+    while name.startswith(("module.", "_orig_mod.")):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def tied_aliases(model) -> set[str]:
+    """The state-dict names of parameters the model holds under another name too (tied weights), all but the first
+    of each in sorted order: the one name a checkpoint keeps them under, as save_weights does. From the modules, so
+    the same on every rank (a rank's empty shard of a DTensor shares no storage to tell a tie by). safetensors
+    refuses to write two names of one storage, as torch's HuggingFaceStorageWriter does for DCP shards."""
+    names: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(plain_key(name))
+    return {n for group in names.values() for n in sorted(group)[1:]}
 
 
 def is_dtensor(t) -> bool:
@@ -94,7 +113,8 @@ def capture(accelerator, model, optimizer, scheduler, step: int, sharded: bool, 
     weights = optim = None
     small = {}
     if sharded:
-        weights = state_dict_api("get_model_state_dict", model)
+        aliases = tied_aliases(model)  # one parameter under two names (GPT-2's lm_head.weight is its wte.weight)
+        weights = {k: v for k, v in state_dict_api("get_model_state_dict", model).items() if k not in aliases}
         optim = state_dict_api("get_optimizer_state_dict", model, inner(optimizer))
     elif main:
         plain = accelerator.unwrap_model(model, keep_torch_compile=False)
