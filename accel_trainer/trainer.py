@@ -76,6 +76,16 @@ class Trainer:
         # The run owns output_dir from here until fit() ends (a second run on it is refused); checked on every rank
         # before any rank writes.
         resume_path, kept_best, lock = prepare_output_dir(acc, args, self.reporter.print, resolved)
+        try:
+            self._set_up(resolved, resume_path, kept_best, lock)
+        except BaseException:
+            if lock is not None:  # a run refused while setting up leaves no folder of its own behind
+                lock.release(tidy=True)
+            raise
+
+    def _set_up(self, resolved: ResolvedArgs, resume_path: str | None, kept_best: dict, lock):
+        """The rest of __init__, once the run owns output_dir: the context, model, data, optimisation, components."""
+        args, acc = self.args, self.accelerator
         self.ctx = resolved.ctx.complete(acc, targs=args, resume_from=resume_path)
         # --lr_scaling: the learning rate the optimizer is built with, scaled for this world's global batch; the
         # arguments keep the user's --learning_rate.

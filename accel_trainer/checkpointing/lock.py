@@ -22,6 +22,7 @@ import contextlib
 import errno
 import json
 import os
+import secrets
 import socket
 import stat
 import sys
@@ -38,8 +39,10 @@ class OutputDirInUse(OneLineError):
 
 
 class OutputLock:
-    def __init__(self, folder: str, fd: int | None):
+    def __init__(self, folder: str, fd: int | None, token: str | None = None, created: bool = False):
         self.folder, self.fd = folder, fd
+        self.token = token  # written into the lock file: the other nodes look for it (check_shared)
+        self.created = created  # acquire() created output_dir: a run refused at set-up takes it away again
         self.taken_over = False
 
     def check(self, output_dir: str):
@@ -51,12 +54,23 @@ class OutputLock:
             )
 
     def __del__(self):  # a Trainer dropped before its fit() ended
-        with contextlib.suppress(Exception):  # at interpreter exit the module's globals may be gone: the OS releases
+        try:  # no contextlib here: at interpreter exit the module's globals may be gone (the OS releases the lock)
             self.release()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
-    def release(self):
+    def release(self, tidy: bool = False):
+        """Let the folder go. `tidy`: the run was refused before it wrote anything; an output_dir it created that
+        holds nothing but the lock file is removed. The file is unlinked while still locked: a run that opens it
+        after that creates another, and one that opened it before finds it unlinked once it has the lock (acquire
+        checks), so no two runs hold the folder."""
         if _held.get(self.folder) is self:
             del _held[self.folder]
+        if tidy and self.created and self.fd is not None and not self.taken_over:
+            with contextlib.suppress(OSError):
+                if os.listdir(self.folder) == [LOCK_FILE]:
+                    os.unlink(os.path.join(self.folder, LOCK_FILE))
+                    os.rmdir(self.folder)
         if self.fd is not None:
             os.close(self.fd)  # closing the last descriptor releases the flock
             self.fd = None
@@ -66,6 +80,7 @@ def acquire(output_dir: str, say=None) -> OutputLock:
     """The lock on `output_dir` (created if needed) for this process, or OutputDirInUse naming its holder."""
     import fcntl
 
+    created = not os.path.lexists(output_dir)
     try:
         os.makedirs(output_dir, exist_ok=True)
     except OSError as e:
@@ -76,7 +91,7 @@ def acquire(output_dir: str, say=None) -> OutputLock:
     old = _held.get(real)
     if old is not None:  # an earlier Trainer of this process: the newer one takes the folder over
         old.taken_over = True
-        lock = OutputLock(real, old.fd)
+        lock = OutputLock(real, old.fd, old.token)
         old.fd = None
         _held[real] = lock
         return lock
@@ -92,8 +107,15 @@ def acquire(output_dir: str, say=None) -> OutputLock:
     if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device named like the lock
         os.close(fd)
         raise OutputDirInUse(f"{path} is not a regular file: the run keeps its lock there. Remove it, then run again.")
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": " ".join(sys.argv)[:500], "token": secrets.token_hex(8)}  # fmt: skip
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != _inode(path):
+            # the holder unlinked the file (a refused run tidying up, release) after this process opened it: the
+            # lock of a file no longer in the folder protects nothing; take the folder's own, anew
+            os.close(fd)
+            return acquire(output_dir, say)
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
@@ -108,9 +130,10 @@ def acquire(output_dir: str, say=None) -> OutputLock:
         if say is not None:
             say(f"note: output_dir {output_dir} cannot be locked on this file system ({e.strerror}): a second run "
                 "started on it would not be refused.")  # fmt: skip
-        return OutputLock(real, None)
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": " ".join(sys.argv)[:500]}  # fmt: skip
+        with contextlib.suppress(OSError):  # the record still tells the other nodes the folder is shared
+            with open(path, "w") as f:
+                json.dump(record, f)
+        return OutputLock(real, None, record["token"])
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -120,9 +143,47 @@ def acquire(output_dir: str, say=None) -> OutputLock:
             f"output_dir {output_dir} cannot be written ({e.strerror}): the disk is full or the folder read-only. "
             "Free space there, or give another --output_dir."
         ) from None
-    lock = OutputLock(real, fd)
+    lock = OutputLock(real, fd, record["token"], created)
     _held[real] = lock
     return lock
+
+
+def _inode(path: str) -> tuple | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_dev
+
+
+def check_shared(accelerator, output_dir: str, lock: OutputLock | None, checkpoints: bool):
+    """Every rank, several processes: output_dir is one folder for all of them (every rank writes its RNG state and,
+    under FSDP, its shards into the checkpoint the main process commits). Each rank looks for the token the main
+    process wrote into the lock file; a rank on a node with a folder of its own (no shared file system) would
+    write its part where the main process never sees it, and the checkpoint would resume with other numbers.
+    With checkpoints, such a run is refused in one line on every rank; without, nothing but the main process
+    writes there."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    if accelerator.num_processes == 1:
+        return
+    token = [lock.token if accelerator.is_main_process and lock is not None else None]
+    broadcast_object_list(token, from_process=0)
+    try:
+        with open(os.path.join(output_dir, LOCK_FILE)) as f:
+            seen = json.loads(f.read(4096)).get("token")  # the holder's record is short
+    except (OSError, ValueError, AttributeError):
+        seen = None
+    mine = None if token[0] is None or seen == token[0] else (accelerator.process_index, socket.gethostname())
+    apart = [x for x in gather_object([mine]) if x is not None]
+    if apart and checkpoints:
+        rank, host = apart[0]
+        raise UserError(
+            f"output_dir {output_dir} is not one folder for every process: rank {rank} on {host} does not see what "
+            f"rank 0 writes there ({len(apart)} rank(s) do not). Every rank writes its part of each checkpoint "
+            "into it: give an --output_dir on a file system every node shares, or --save_strategy no to train "
+            "without checkpoints."
+        )
 
 
 # What a run writes in its output folder, by name: each must be what the run writes there (a folder, a file), never a

@@ -59,6 +59,7 @@ def prepare_output_dir(
         _refuse_overlap(spec, args.output_dir)  # before the lock file is written into output_dir (the checkpoint)
     lock = ckpt_resume.on_main(accelerator, lambda: ckpt_lock.acquire(args.output_dir, say), "output_dir", share=False)
     try:
+        ckpt_lock.check_shared(accelerator, args.output_dir, lock, args.checkpoints)
         resume_path, kept_best = _check_output_dir(accelerator, args)
         expected = getattr(resolved, "resumed", None)
         if resume_path is not None and expected is not None and resume_path != expected[0]:
@@ -173,7 +174,9 @@ class CheckpointManager:
         self.preemption, self.say, self.fire, self.before_save = preemption, say, fire, before_save
         self.save_full_model = save_full_model
         self.tokenizer = tokenizer
-        self.record = ckpt_record.of(args, recipe_args)  # the run's arguments, in every checkpoint (record.py)
+        self.record = ckpt_record.of(
+            args, recipe_args, accelerator.num_processes
+        )  # the run's arguments, in every checkpoint (record.py)
         self.lock = lock  # the main process's lock on output_dir (lock.py), held until fit() ends
         self.owns_output_dir = True
         self.saved_step = None  # the step of the last checkpoint written by this run
