@@ -219,7 +219,13 @@ class CifarNet(nn.Module):
         self.label_smoothing = label_smoothing  # read by loss(); kept on the model so loss(model, batch) suffices
 
     def forward(self, x):
-        x = self.blocks(F.gelu(self.whiten(x)))
+        # The whitening conv in its weights' precision (fp32) under autocast too: its smallest-variance directions
+        # have the largest filters and the smallest outputs, a cancellation bf16 cannot carry (docs/cifar.md,
+        # "Accuracy"). A 2x2 conv to 24 channels: its cost is small next to the blocks'. (Under FSDP with a bf16
+        # parameter policy its weights are bf16, and so is its input.)
+        with torch.autocast(x.device.type, enabled=False):
+            x = self.whiten(x.to(self.whiten.weight.dtype))
+        x = self.blocks(F.gelu(x))
         x = F.adaptive_max_pool2d(x, 1).flatten(1)  # the last block is 3x3 on 32x32 inputs: a global max pool
         return self.head(x) * self.scale
 
