@@ -117,7 +117,8 @@ class Args:
     lookahead: bool = field(
         default=True,
         metadata={
-            "help": "Lookahead: EMA of the weights, copied back into the net every 5 steps from 30% of training on."
+            "help": "Lookahead (airbench94's): EMA of the weights from the start, copied back into the net every 5 "
+            "steps and at the end."
         },
     )
     whiten_bias_frac: float = field(
@@ -378,10 +379,10 @@ def on_evaluate_end(trainer, metrics, final):
 
 
 class LookaheadSGD(torch.optim.SGD):
-    """Nesterov SGD plus airbench's lookahead: every `every` steps from `start` on, the EMA of the model's floating
-    state (weights and BatchNorm running stats) moves towards the net, and the net is set to the EMA. The decay
-    warms up as (step / total)^3, so early on the net moves fast, at the end it is averaged strongly; the last
-    step copies the EMA into the net a final time.
+    """Nesterov SGD plus airbench94's lookahead: the EMA of the model's floating state (weights and BatchNorm
+    running stats) starts from the net as built; every `every` steps from the start it moves towards the net and
+    the net is set to it. The decay warms up as 0.95^5 (step / total)^3, so early on the net moves fast and at the
+    end it is averaged strongly; the last step sets the net to the EMA a final time (airbench94's `decay=1.0`).
 
     Why not the Trainer's --ema_decay: that keeps a separate averaged copy for eval with a fixed decay; lookahead
     pulls the training weights themselves back (it changes the trajectory), on a schedule tied to the run length.
@@ -396,17 +397,26 @@ class LookaheadSGD(torch.optim.SGD):
     "param_groups": a top-level key of state_dict() was dropped, and a resumed FSDP run restarted its count at 0
     and never pulled back again. Frozen parameters (whitening weights, BatchNorm scales) average to themselves:
     they need no EMA.
+
+    The tensors it averages, and their averages, are listed once (at the first step, when prepare() has placed the
+    model; again after a load): walking the parameters and the model's buffers every step was most of the host's
+    work for a pull that comes every fifth step. An update skipped on the device (a fused step given GradScaler's
+    flag) would still be pulled and counted here: this optimizer asks to be skipped from the host instead.
     """
 
-    def __init__(
-        self, params, model, lr, momentum, start_frac=0.3, every=5, decay_base=0.95, decay_pow=3.0, enabled=True
-    ):
-        super().__init__(params, lr=lr, momentum=momentum, nesterov=True)
-        self.model, self.start_frac, self.every, self.enabled = model, start_frac, every, enabled
+    def __init__(self, params, model, lr, momentum, every=5, decay_base=0.95, decay_pow=3.0, enabled=True, fused=None):
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=True, fused=fused)
+        # The attribute GradScaler and the Trainer's --nan_policy skip read to skip a fused step on the device: off,
+        # as for an unfused optimizer (see the docstring).
+        self._step_supports_amp_scaling = False
+        self.model, self.every, self.enabled = model, every, enabled
         self.decay_base, self.decay_pow = decay_base, decay_pow
         self.total_steps = None  # set by build_scheduler, which knows the run length
         self.param_groups[0]["lookahead"] = _new_lookahead_state()
-        self._buffer_names = None
+        if enabled:  # the buffers' averages from the net as built, before a forward moves its running statistics
+            self.param_groups[0]["lookahead"]["buffers"] = {n: b.detach().clone() for n, b in self._buffers().items()}
+        self._lists = None  # (averages, the net's tensors they average): built once (_pairs)
+        self._decays = None  # the decay at each step of the run (_decay)
 
     @property
     def step_count(self) -> int:
@@ -417,64 +427,63 @@ class LookaheadSGD(torch.optim.SGD):
 
     def _buffers(self) -> dict:
         """The net's floating buffers that a checkpoint holds (BatchNorm running statistics), by name."""
-        if self._buffer_names is None:  # the names once: state_dict() at every step would cost more than the rest
-            persistent = self.model.state_dict().keys()
-            self._buffer_names = {n for n, b in self.model.named_buffers() if n in persistent and b.is_floating_point()}
-        return {n: b for n, b in self.model.named_buffers() if n in self._buffer_names}
-
-    def _allocate(self):
-        """The EMA tensors, at the first step. Not at construction: DCP loads into the state a fresh optimizer has
-        after one zero-lr step (get_optimizer_state_dict runs it only while the state is empty), so the EMA must
-        exist after a step, and must not exist before one (SGD's momentum would then not be created to load into)."""
-        for p in self._params():
-            if "lookahead_ema" not in self.state[p]:
-                self.state[p]["lookahead_ema"] = p.detach().clone()
-        averaged = self.param_groups[0]["lookahead"]["buffers"]
-        for name, b in self._buffers().items():
-            if name not in averaged:
-                averaged[name] = b.detach().clone()
+        persistent = self.model.state_dict().keys()
+        return {n: b for n, b in self.model.named_buffers() if n in persistent and b.is_floating_point()}
 
     def _pairs(self):
-        """(EMA tensors, the net's tensors they average), as plain tensors: under FSDP2 the parameters are DTensors
-        beside plain buffers, and one _foreach op over both fails; each rank averages its own shards (to_local
-        shares their storage), the buffers whole."""
+        """(EMA tensors, the net's tensors they average), as plain tensors, built once; the parameters' averages
+        allocated from the net where they are missing. Not at construction: DCP loads into the state a fresh optimizer has after
+        one zero-lr step (get_optimizer_state_dict runs it only while the state is empty), so the EMA must exist
+        after a step, and must not exist before one (SGD's momentum would then not be created to load into).
+        Under FSDP2 the parameters are DTensors beside plain buffers, and one _foreach op over both fails: each
+        rank averages its own shards (to_local shares their storage), the buffers whole."""
+        if self._lists is not None:
+            return self._lists
 
         def local(t):
             return t.to_local() if hasattr(t, "to_local") else t
 
         params, buffers = self._params(), self._buffers()
         averaged = self.param_groups[0]["lookahead"]["buffers"]
+        for p in params:
+            if "lookahead_ema" not in self.state[p]:
+                self.state[p]["lookahead_ema"] = p.detach().clone()
+        for name, b in buffers.items():  # on their buffer's device: prepare() moved the model after construction
+            averaged[name] = averaged[name].to(b.device) if name in averaged else b.detach().clone()
         ema = [local(self.state[p]["lookahead_ema"]) for p in params] + [averaged[n] for n in buffers]
-        return ema, [local(p) for p in params] + list(buffers.values())
+        self._lists = ema, [local(p) for p in params] + list(buffers.values())
+        return self._lists
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.enabled:
+            self._pairs()  # at the first step before the update: the average starts from the net as built
         loss = super().step(closure)
         state = self.param_groups[0]["lookahead"]
         state["step"] += 1
-        if not self.enabled:
-            return loss
-        self._allocate()
         n, total = state["step"], self.total_steps
-        if total is None or n < self.start_frac * total or (n % self.every != 0 and n != total):
+        if not self.enabled or total is None or (n % self.every and n != total):
             return loss
         ema, net = self._pairs()
-        if not state["started"]:
-            torch._foreach_copy_(ema, net)  # the average starts from the net
-            state["started"] = True
-        else:
-            rho = (self.decay_base**self.every) * (n / total) ** self.decay_pow
-            if n % self.every != 0:
-                rho = 1.0  # the last step: back to the average, no new weights taken in
-            torch._foreach_lerp_(ema, net, 1 - rho)
-            torch._foreach_copy_(net, ema)
+        if n % self.every == 0:
+            torch._foreach_lerp_(ema, net, 1 - self._decay(n, total))
+        torch._foreach_copy_(net, ema)  # the last step, when it is no 5th: back to the average, nothing taken in
         return loss
+
+    def _decay(self, n: int, total: int) -> float:
+        """airbench94's `alpha_schedule[n]`, computed as it computes it (a float32 tensor over the run, here once, as
+        Python numbers), so that the recipe's lookahead is airbench's to the bit (tests/test_cifar.py)."""
+        if self._decays is None or len(self._decays) != total + 1:
+            self._decays = (self.decay_base**self.every * (torch.arange(total + 1) / total) ** self.decay_pow).tolist()
+        return self._decays[n]
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         legacy = state_dict.pop("lookahead", None)  # the earlier format: a top-level key
         super().load_state_dict(state_dict)
         state = self.param_groups[0].setdefault("lookahead", _new_lookahead_state())
+        state.pop("started", None)  # of the schedule that started at 30% of the run
+        self._lists = None  # the loaded tensors are new ones
         if legacy is not None:
             self._load_legacy(legacy)
         # torch moves each parameter's state to its parameter's device, not values of a param group (Accelerate
@@ -486,17 +495,17 @@ class LookaheadSGD(torch.optim.SGD):
         """{"step_count", "ema": None, or the averages of all the net's floating state-dict entries, in order}."""
         state = self.param_groups[0]["lookahead"]
         state["step"] = old["step_count"]
-        if old["ema"] is None:
+        if old["ema"] is None:  # not started yet: _pairs starts the averages from the net
             return
         floats = [n for n, v in self.model.state_dict().items() if v.is_floating_point()]
         averages, names = dict(zip(floats, old["ema"])), {p: n for n, p in self.model.named_parameters()}
         for p in self._params():
             self.state[p]["lookahead_ema"] = averages[names[p]].to(p.device)
-        state["buffers"], state["started"] = {n: averages[n] for n in self._buffers()}, True
+        state["buffers"] = {n: averages[n] for n in self._buffers()}
 
 
 def _new_lookahead_state() -> dict:
-    return {"step": 0, "started": False, "buffers": {}}
+    return {"step": 0, "buffers": {}}
 
 
 def build_optimizer(model, ctx):
@@ -519,7 +528,16 @@ def build_optimizer(model, ctx):
         dict(params=norm_biases, lr=lr_b, weight_decay=wd / lr_b),
         dict(params=[net.whiten.bias], lr=lr, weight_decay=wd / lr),
     ]  # frozen after whiten_bias_frac
-    return LookaheadSGD(groups, net, lr=lr, momentum=args.momentum, enabled=args.lookahead)
+    return LookaheadSGD(groups, net, lr=lr, momentum=args.momentum, enabled=args.lookahead, fused=_fused(ctx))
+
+
+def _fused(ctx) -> bool | None:
+    """torch's fused SGD (one kernel for all of an update's parameters, where the default runs a few per parameter
+    group or per parameter) on the CPU and CUDA; under FSDP, whose parameters are DTensors, torch's default (None)."""
+    acc = ctx.accelerator
+    if acc is not None and getattr(acc, "distributed_type", None) == DistributedType.FSDP:
+        return None
+    return (acc.device.type if acc is not None else "cpu") in ("cpu", "cuda") or None
 
 
 def build_scheduler(optimizer, ctx):

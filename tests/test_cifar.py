@@ -347,39 +347,87 @@ def test_an_empty_share_of_the_last_batch_gives_a_zero_weight_loss_not_nan():
     assert out["loss"].numel() == 0 and out["n_items"].numel() == 0
 
 
-def test_lookahead_pulls_weights_to_their_average():
+def _train_mode_steps(net, opt, steps, after_step=None):
+    """`steps` train-mode steps of `net` on fixed inputs (the BatchNorm statistics move too), `after_step(n)` after
+    each optimizer step."""
+    for n in range(1, steps + 1):
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(n))  # this step's batch
+        net(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(n)
+
+
+def test_lookahead_follows_airbench94s_schedule():
+    """The recipe's LookaheadSGD against airbench94's own loop around torch's SGD: LookaheadState(net) before
+    training (the average starts from the net as built), every 5 steps from the start `ema.lerp_(net, 1 - decay)`
+    and `net.copy_(ema)` over the floating state-dict entries with decay 0.95**5 * (step / total)**3, and at the
+    last step decay 1.0 (the net set to the average). Bit for bit, 12 steps: pulls at 5 and 10, the last at 12."""
+    import copy
+
     torch.manual_seed(0)
     net = cifar.CifarNet(widths=(4, 8, 8))
-    p = net.head.weight
-    opt = cifar.LookaheadSGD([{"params": [p]}], net, lr=0.1, momentum=0.5, start_frac=0.0, every=2)
-    opt.total_steps = 7
-    g = torch.randn_like(p)
-    plain = cifar.LookaheadSGD(
-        [{"params": [q := p.detach().clone().requires_grad_()]}], net, lr=0.1, momentum=0.5, enabled=False
-    )
-    for step in range(1, 8):
-        p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        plain.step()
-        if step == 2:  # the average starts here, no pull yet
-            torch.testing.assert_close(p, q)
-        if step == 4:  # pulled back: moved less than plain SGD
-            assert (p - q).abs().max() > 1e-4
-            assert ((p - q) * g).sum() > 0  # ...i.e. less far along -g
-    # The last step copies the average into the net: every float tensor of the net equals its average.
-    ema, current = opt._pairs()
-    assert len(ema) == 1 + 2 * 6  # the head weight, BatchNorm running mean and variance of the 6 norms
-    for avg, cur in zip(ema, current):
-        torch.testing.assert_close(avg, cur)
-    assert opt.step_count == 7
+    ref = copy.deepcopy(net)
+    total = 12
+    groups = lambda m: [{"params": [p for p in m.parameters() if p.requires_grad]}]  # noqa: E731
+    opt = cifar.LookaheadSGD(groups(net), net, lr=0.05, momentum=0.8)
+    opt.total_steps = total
+    sgd = torch.optim.SGD(groups(ref), lr=0.05, momentum=0.8, nesterov=True)
+    ema = {k: v.clone() for k, v in ref.state_dict().items()}  # airbench94's LookaheadState(model)
+    alpha = 0.95**5 * (torch.arange(total + 1) / total) ** 3
+
+    def lookahead(decay):
+        for avg, cur in zip(ema.values(), ref.state_dict().values()):
+            if cur.is_floating_point():
+                avg.lerp_(cur, 1 - decay)
+                cur.copy_(avg)
+
+    def airbench(step):
+        if step % 5 == 0:
+            lookahead(alpha[step].item())
+        if step == total:
+            lookahead(1.0)
+
+    _train_mode_steps(ref, sgd, total, airbench)
+    _train_mode_steps(net, opt, total)
+    assert opt.step_count == total
+    for k, v in ref.state_dict().items():
+        assert torch.equal(net.state_dict()[k], v), k
+    # The last step set the net to the average: every float tensor of the net equals its average.
+    averages, current = opt._pairs()
+    assert len(averages) == 2 * 6 + sum(p.requires_grad for p in net.parameters())  # BN statistics, weights
+    for avg, cur in zip(averages, current):
+        assert torch.equal(avg, cur)
+
+
+def test_sgd_is_fused_and_an_update_the_scaler_skips_changes_nothing():
+    """The recipe's SGD is torch's fused one where torch has it (the CPU and CUDA: one kernel for an update's
+    parameters). A fused step can be skipped on the device (GradScaler's found_inf, the Trainer's --nan_policy
+    skip), but the lookahead's count and pull would still run on the host: the optimizer asks to be skipped from
+    the host, so a skipped update changes nothing, the lookahead's count included."""
+    from accel_trainer import RecipeContext, TrainingArguments
+
+    net = cifar.CifarNet(widths=(4, 8, 8))
+    ctx = RecipeContext(args=cifar.Args(), targs=TrainingArguments(per_device_train_batch_size=64), world_size=1)
+    opt = cifar.build_optimizer(net, ctx)
+    assert [g["fused"] for g in opt.param_groups] == [True] * 3
+    opt.total_steps = 1  # the first step would pull
+    before = {k: v.clone() for k, v in net.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu")
+    net(torch.randn(2, 3, 32, 32)).sum().mul(float("inf")).backward()
+    scaler.scale(torch.ones(()))  # the scaler's scale, as a scaled backward makes it
+    scaler.step(opt)  # found the gradients not finite: skipped
+    assert opt.step_count == 0
+    assert all(torch.equal(v, dict(net.named_parameters())[k]) for k, v in before.items())
 
 
 def _lookahead_run(net, steps, total=8, state=None):
-    """LookaheadSGD over all of `net`'s trainable parameters for `steps` train-mode steps on fixed inputs (the
-    average starts at step 2, pulls at 4, 6 and 8), optionally starting from a saved `state` (a callable that
-    loads into the new optimizer). Returns the optimizer."""
+    """LookaheadSGD over all of `net`'s trainable parameters for `steps` train-mode steps on fixed inputs (pulls at
+    2, 4, 6 and 8), optionally starting from a saved `state` (a callable that loads into the new optimizer).
+    Returns the optimizer."""
     params = [p for p in net.parameters() if p.requires_grad]
-    opt = cifar.LookaheadSGD([{"params": params}], net, lr=0.05, momentum=0.8, start_frac=0.25, every=2)
+    opt = cifar.LookaheadSGD([{"params": params}], net, lr=0.05, momentum=0.8, every=2)
     opt.total_steps = total
     if state is not None:
         state(opt)
@@ -407,7 +455,7 @@ def _earlier_format(opt, net) -> dict:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on this one process, no group: intended
 @pytest.mark.parametrize("how", ["torch.save", "dcp", "earlier format"])
 def test_lookahead_state_survives_a_checkpoint(how, tmp_path):
-    """Save after 5 steps (the average started at 2, pulled at 4), load into a new net and optimizer, go on to 8:
+    """Save after 5 steps (pulled at 2 and 4), load into a new net and optimizer, go on to 8:
     bit-identical to 8 steps without a break. torch.save is what Accelerate writes without FSDP; DCP with torch's
     get_/set_optimizer_state_dict is how it saves and loads an FSDP optimizer (and load_resharded on 1 process):
     that kept only "state" and "param_groups" and dropped the lookahead's step count and averages. A checkpoint

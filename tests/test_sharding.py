@@ -267,8 +267,8 @@ def test_cifar_under_fsdp_resumes_bit_identically_after_sigkill(tmp_path):
     ends with the uninterrupted run's model.safetensors exactly. Two things of its state are not parameters:
     BatchNorm running statistics (buffers: not sharded, one copy per rank, and DCP saves one rank's copy) and the
     lookahead's step count and averages (in the optimizer; an extra key of its state_dict was dropped by DCP).
-    Before the fix the resumed run differed in every tensor that trains. 6 updates: the lookahead starts at
-    update 2 (30%) and pulls at 5 and 6, after the resume."""
+    Before the fix the resumed run differed in every tensor that trains. 6 updates: the lookahead averages from the
+    start and pulls at 5 and 6, after the resume."""
     from cifar_fixtures import make_tiny_cifar
 
     sys.path.insert(0, RECIPES)
