@@ -165,6 +165,34 @@ def test_skip_first_batches_and_len():
     assert len(DeviceLoader(x, y, 16, train=True, drop_last=True)) == 6
 
 
+def test_an_epoch_is_augmented_at_once_and_a_resumed_epoch_gives_its_batches(monkeypatch):
+    """As airbench94 does, the whole train split is flipped and translated once per epoch (one gather on the
+    device), and the batches are slices of it: one gather per epoch, not per batch. The epoch's augmentation is a
+    function of (seed, epoch) alone, so a run resumed mid-epoch (skip_first_batches) gets exactly the batches,
+    pixels and labels, of the uninterrupted one, on 1 and 2 ranks, whose global batches are the 1-rank ones."""
+    x, y = tiny_arrays(100, 0)
+    gathers, real = [], cifar_data.augment_gather
+    monkeypatch.setattr(cifar_data, "augment_gather", lambda *a, **k: gathers.append(1) or real(*a, **k))
+
+    def batches(rank=0, world=1, skip=0):
+        ld = DeviceLoader(x, y, 16 // world, train=True, seed=3, rank=rank, world_size=world)
+        ld.set_epoch(2)
+        return [(b["images"], b["labels"]) for b in ld.skip_first_batches(skip)]
+
+    whole = batches()
+    assert len(gathers) == 1 and len(whole) == 7
+    for world in (1, 2):
+        ranks = [batches(rank, world) for rank in range(world)]
+        for step, (images, labels) in enumerate(whole):  # the ranks' parts make the 1-rank global batch
+            assert torch.equal(torch.cat([r[step][0] for r in ranks]), images)
+            assert torch.equal(torch.cat([r[step][1] for r in ranks]), labels)
+        for rank in range(world):
+            resumed = batches(rank, world, skip=3)
+            assert len(resumed) == 4
+            for (a, la), (b, lb) in zip(resumed, ranks[rank][3:]):
+                assert torch.equal(a, b) and torch.equal(la, lb)
+
+
 def reference_view(img, flip, dy, dx, pad=2):
     """numpy: mirror (if flip), reflect-pad by `pad`, crop 32x32 at offset (pad + dy, pad + dx)."""
     img = img[:, ::-1] if flip else img
