@@ -36,6 +36,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cifar_data.py next to this file
 from cifar_data import DEFAULT_DATASET, CifarSplit, DeviceLoader, load_cifar10, normalize  # noqa: E402
+from cifar_muon import Muon, state_like_params  # noqa: E402
 
 from accel_trainer import UserError  # noqa: E402
 from accel_trainer.precision import fast_mixed_precision, training_device  # noqa: E402
@@ -44,8 +45,9 @@ name = "cifar"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Presets: one line per knob that differs. Anything given on the command line wins.
-# "default" is airbench94, for a GPU; "small" is for a 2-core CPU (their results: docs/cifar.md).
-# Mixed precision is no preset's knob: unless given, it is what the device runs fast (configure below).
+# "default" is airbench94, for a GPU; "small" is for a 2-core CPU; "muon" is airbench94_muon, for a GPU (their
+# results: docs/cifar.md). Mixed precision is no preset's knob: unless given, it is what the device runs fast
+# (configure below). A knob of the recipe's Args or of TrainingArguments alike.
 
 PRESETS = {
     "default": dict(
@@ -53,6 +55,21 @@ PRESETS = {
         batch_size=1024,  # images per optimizer step, all processes together
         eval_batch_size=2000,  # images per eval forward, all processes together
         num_train_epochs=9.9,  # passes over the 50k train images (airbench94: 9.9)
+        logging_steps=50,  # a log row is a host read: 9 in 476 updates, where 10 kept a GPU waiting
+    ),
+    "muon": dict(  # airbench94_muon: Muon for the conv filters, SGD for the rest, no lookahead
+        widths="64,256,256",
+        batch_size=2000,
+        eval_batch_size=2000,
+        num_train_epochs=8,  # 25 updates an epoch: 200 in all
+        optimizer="muon",
+        learning_rate=0.24,  # Muon's step along the orthogonalized update (no unit: its size is the lr)
+        weight_decay=2e-6,  # SGD's, per example of the global batch (airbench94_muon: 2e-6 x batch per step)
+        lookahead=False,
+        whiten_bias_frac=0.375,  # 3 of 8 epochs
+        lr_peak_at=0.0,  # the schedule: a linear decay from 1 to 0
+        lr_end=0.0,
+        logging_steps=50,
     ),
     "small": dict(  # for a 2-core CPU (AMD EPYC Zen 4 with AVX512-BF16 here); measurements in docs/cifar.md
         widths="32,64,128",  # the 31x31 first block dominates CPU time: narrow; 16 wide was faster but stopped
@@ -106,7 +123,27 @@ class Args:
         },
     )
     eval_batch_size: int | None = field(default=None, metadata={"help": "Global eval batch."})
-    momentum: float = field(default=0.85, metadata={"help": "Nesterov momentum."})
+    optimizer: str = field(
+        default="sgd",
+        metadata={
+            "help": "sgd (airbench94: Nesterov SGD and lookahead) or muon (airbench94_muon: Muon for the conv "
+            "filters at --learning_rate, Nesterov SGD for the rest at --muon_bias_lr / --muon_head_lr)."
+        },
+    )
+    momentum: float = field(default=0.85, metadata={"help": "Nesterov momentum (of SGD)."})
+    muon_momentum: float = field(default=0.6, metadata={"help": "Muon's Nesterov momentum (--optimizer muon)."})
+    muon_bias_lr: float = field(
+        default=0.053,
+        metadata={
+            "help": "--optimizer muon: SGD's lr of the biases (whitening, BatchNorm) in airbench94_muon's units (a "
+            "loss summed over the batch: per example). --weight_decay is per example there too."
+        },
+    )
+    muon_head_lr: float = field(default=0.67, metadata={"help": "--optimizer muon: SGD's lr of the head, likewise."})
+    compile_muon: bool = field(
+        default=True,
+        metadata={"help": "--optimizer muon on a CUDA device: torch.compile Muon's Newton-Schulz iteration."},
+    )
     bias_lr_scale: float = field(
         default=64.0, metadata={"help": "BatchNorm biases train at this times the lr (not their weight decay)."}
     )
@@ -141,6 +178,8 @@ class Args:
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r}: use one of {', '.join(PRESETS)}.")
+        if self.optimizer not in ("sgd", "muon"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: use sgd or muon.")
         if self.flip not in ("alternate", "random", "none"):
             raise ValueError(f"--flip {self.flip!r}: use alternate, random or none.")
         if self.tta_level not in (0, 1, 2):
@@ -151,12 +190,12 @@ def configure(ctx):
     """Fill what the preset decides and the user left unset (`ctx.given`); derive per-device batches from the global
     ones over `ctx.world_size` processes."""
     args, targs = ctx.args, ctx.targs
-    preset = PRESETS[args.preset]
-    for key in ("widths", "batch_size", "eval_batch_size"):
-        if getattr(args, key) is None:
-            setattr(args, key, preset[key])
-    if "num_train_epochs" not in ctx.given:
-        targs.num_train_epochs = preset["num_train_epochs"]
+    for key, value in PRESETS[args.preset].items():
+        if key in ("widths", "batch_size", "eval_batch_size"):  # None: unset (the preset's), also from Python
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        elif key not in ctx.given:
+            setattr(args if hasattr(args, key) else targs, key, value)
     if targs.mixed_precision is None and not os.environ.get("ACCELERATE_MIXED_PRECISION"):
         # What this device runs fast, asked of torch (bf16 on an Ampere+ GPU or a CPU with AVX512-BF16/AMX, fp32 on
         # an AVX2 CPU, where bf16 convs are far slower): see accel_trainer/precision.py.
@@ -205,18 +244,28 @@ class ConvGroup(nn.Module):
 
 
 class CifarNet(nn.Module):
-    """whiten (2x2 conv, frozen) -> GELU -> 3 x [conv, pool, BN, GELU, conv, BN, GELU] -> max -> linear -> / 9."""
+    """whiten (2x2 conv, frozen) -> GELU -> 3 x [conv, pool, BN, GELU, conv, BN, GELU] -> max -> linear -> / 9.
 
-    def __init__(self, widths=(64, 256, 256), whiten_kernel=2, bn_momentum=0.6, label_smoothing=0.2):
+    variant "airbench94_muon" (--preset muon): the same layers, initialised and scaled as airbench94_muon does: the
+    head's weights at std 1 and the logits divided by the head's width, the whitening bias at torch's default."""
+
+    def __init__(self, widths=(64, 256, 256), whiten_kernel=2, bn_momentum=0.6, label_smoothing=0.2,
+                 variant="airbench94"):  # fmt: skip
         super().__init__()
+        muon = variant == "airbench94_muon"
         whiten_width = 2 * 3 * whiten_kernel**2  # every patch direction, with both signs (GELU is not odd)
         self.whiten = nn.Conv2d(3, whiten_width, whiten_kernel, padding=0, bias=True)
         self.whiten.weight.requires_grad_(False)
-        nn.init.zeros_(self.whiten.bias)
+        if not muon:
+            nn.init.zeros_(self.whiten.bias)
         chans = (whiten_width,) + tuple(widths)
         self.blocks = nn.Sequential(*[ConvGroup(a, b, bn_momentum) for a, b in zip(chans[:-1], chans[1:])])
         self.head = nn.Linear(widths[-1], 10, bias=False)
-        self.scale = 1 / 9  # small logits at init: the net starts out "uncertain", which label smoothing likes
+        # small logits at init: the net starts out "uncertain", which label smoothing likes
+        self.scale = 1 / widths[-1] if muon else 1 / 9
+        if muon:
+            with torch.no_grad():
+                self.head.weight.mul_(1 / self.head.weight.std())
         self.label_smoothing = label_smoothing  # read by loss(); kept on the model so loss(model, batch) suffices
 
     def forward(self, x):
@@ -255,7 +304,8 @@ def build_model(ctx):
     if args.cudnn_benchmark and ctx.accelerator.device.type == "cuda":
         # Process-wide, set by the recipe: a flag of the cuDNN backend, not of the model (it means nothing elsewhere).
         torch.backends.cudnn.benchmark = True
-    model = CifarNet(_widths(args), bn_momentum=args.bn_momentum, label_smoothing=args.label_smoothing)
+    variant = "airbench94_muon" if args.optimizer == "muon" else "airbench94"
+    model = CifarNet(_widths(args), bn_momentum=args.bn_momentum, label_smoothing=args.label_smoothing, variant=variant)
     with ctx.accelerator.main_process_first():  # rank 0 decodes and caches the data; the others then read it
         train_images = load_cifar10(args.dataset, args.cache_dir)["train"][0]
     # Whitening statistics from the first 5000 train images: the same on every rank, no communication needed.
@@ -486,6 +536,7 @@ class LookaheadSGD(torch.optim.SGD):
         self._lists = None  # the loaded tensors are new ones
         if legacy is not None:
             self._load_legacy(legacy)
+        state_like_params(self)  # a fused step needs each state in its parameter's layout
         # torch moves each parameter's state to its parameter's device, not values of a param group (Accelerate
         # reads optimizer.bin onto the CPU on one GPU): the buffers' averages go to their buffers' device here.
         buffers = self._buffers()
@@ -509,6 +560,11 @@ def _new_lookahead_state() -> dict:
 
 
 def build_optimizer(model, ctx):
+    """--optimizer sgd: airbench94's SGD and lookahead (_sgd_optimizer); muon: airbench94_muon's (_muon_optimizer)."""
+    return (_muon_optimizer if ctx.args.optimizer == "muon" else _sgd_optimizer)(model, ctx)
+
+
+def _sgd_optimizer(model, ctx):
     """airbench's decoupled units -> torch SGD. Our loss is the MEAN over the global batch of B examples, so the
     torch lr is lr_per_1024 * B / (1024 * (1 + 1/(1-momentum))): the second factor undoes Nesterov's step
     amplification for time-constant gradients. Weight decay per step is wd_per_1024 * B / (same), and torch
@@ -531,6 +587,35 @@ def build_optimizer(model, ctx):
     return LookaheadSGD(groups, net, lr=lr, momentum=args.momentum, enabled=args.lookahead, fused=_fused(ctx))
 
 
+def _muon_optimizer(model, ctx):
+    """airbench94_muon: Muon at --learning_rate for the conv filters (4-d, trained); Nesterov SGD for the whitening
+    and BatchNorm biases at --muon_bias_lr and the head at --muon_head_lr, in airbench94_muon's units (a loss summed
+    over the batch). Our loss is the mean over the global batch of B examples: the torch lr is that lr x B, and the
+    per-step weight decay --weight_decay x B (torch multiplies its weight_decay by the lr: the ratio is passed).
+    Muon's step does not depend on the loss's scale. Its param groups: [filters, BatchNorm biases, whitening bias,
+    head] (build_scheduler's order)."""
+    args, targs, acc = ctx.args, ctx.targs, ctx.accelerator
+    if acc is not None and getattr(acc, "distributed_type", None) == DistributedType.FSDP:
+        raise UserError(
+            "--optimizer muon (--preset muon) orthogonalizes each conv filter's whole update, and under FSDP a "
+            "process holds a shard of it: train it on one process or with DDP (an accelerate config without FSDP)."
+        )
+    B = ctx.global_batch_size
+    wd = targs.weight_decay * B  # per step
+    net = _cifarnet(model)
+    filters = [p for p in net.parameters() if p.ndim == 4 and p.requires_grad]
+    norm_biases = [m.bias for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    bias_lr, head_lr = args.muon_bias_lr * B, args.muon_head_lr * B
+    groups = [
+        dict(params=filters, muon=True),
+        dict(params=norm_biases, lr=bias_lr, momentum=args.momentum, weight_decay=wd / bias_lr),
+        dict(params=[net.whiten.bias], lr=bias_lr, momentum=args.momentum, weight_decay=wd / bias_lr),
+        dict(params=[net.head.weight], lr=head_lr, momentum=args.momentum, weight_decay=wd / head_lr),
+    ]
+    return Muon(groups, lr=ctx.learning_rate, momentum=args.muon_momentum, fused=_fused(ctx),
+                compiled=args.compile_muon)  # fmt: skip
+
+
 def _fused(ctx) -> bool | None:
     """torch's fused SGD (one kernel for all of an update's parameters, where the default runs a few per parameter
     group or per parameter) on the CPU and CUDA; under FSDP, whose parameters are DTensors, torch's default (None)."""
@@ -541,11 +626,14 @@ def _fused(ctx) -> bool | None:
 
 
 def build_scheduler(optimizer, ctx):
-    """airbench's triangle: lr factor lr_start -> 1 (at lr_peak_at of training) -> lr_end, linear pieces."""
+    """airbench's triangle: lr factor lr_start -> 1 (at lr_peak_at of training) -> lr_end, linear pieces; with
+    lr_peak_at 0 a straight line from 1 to lr_end (airbench94_muon's 1 - step / total). The whitening bias follows
+    it and stops at whiten_bias_frac of the run; under --optimizer muon it decays to 0 there instead (airbench94_muon's
+    1 - step / whiten_steps)."""
     args, num_training_steps = ctx.args, ctx.num_training_steps
     inner = getattr(optimizer, "optimizer", optimizer)
     inner.total_steps = num_training_steps
-    peak = max(1, int(args.lr_peak_at * num_training_steps))
+    peak = max(1, int(args.lr_peak_at * num_training_steps)) if args.lr_peak_at > 0 else 0
 
     def triangle(step):
         if step < peak:
@@ -553,6 +641,9 @@ def build_scheduler(optimizer, ctx):
         return 1 + (args.lr_end - 1) * (step - peak) / max(1, num_training_steps - peak)
 
     freeze_at = args.whiten_bias_frac * num_training_steps
+    if args.optimizer == "muon":
+        whiten = lambda step: max(0.0, 1 - step / freeze_at) if freeze_at > 0 else 0.0  # noqa: E731
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, [triangle, triangle, whiten, triangle])
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, [triangle, triangle, lambda step: triangle(step) * (step < freeze_at)]
     )

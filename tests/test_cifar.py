@@ -334,6 +334,82 @@ def test_lr_units_and_schedule():
     assert factors[29][2] > 0 and factors[30][2] == 0  # whitening bias frozen after 30%
 
 
+def test_muon_steps_as_airbench94_muon_does():
+    """The recipe's Muon against airbench94_muon's update written out per tensor: Nesterov momentum, the filter
+    rescaled to norm sqrt(its first dimension), a step of lr along the Newton-Schulz orthogonalized update (in bf16);
+    and the other groups as torch's fused SGD takes them. Bit for bit over 4 steps of fixed gradients."""
+    import copy
+
+    from cifar_muon import Muon, newton_schulz
+
+    torch.manual_seed(0)
+    net = cifar.CifarNet(widths=(4, 8, 8), variant="airbench94_muon")
+    ref = copy.deepcopy(net)
+    filters = lambda m: [p for p in m.parameters() if p.ndim == 4 and p.requires_grad]  # noqa: E731
+    rest = lambda m: [p for p in m.parameters() if p.ndim < 4 and p.requires_grad]  # noqa: E731
+    opt = Muon([{"params": filters(net), "muon": True}, {"params": rest(net), "lr": 0.1, "momentum": 0.85,
+                "weight_decay": 0.01}], lr=0.24, momentum=0.6, fused=True)  # fmt: skip
+    sgd = torch.optim.SGD(rest(ref), lr=0.1, momentum=0.85, nesterov=True, weight_decay=0.01, fused=True)
+    buffers = [torch.zeros_like(p) for p in filters(ref)]
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 100 + i))
+                 for i, p in enumerate(net.parameters())]  # fmt: skip
+        for model in (net, ref):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone() if p.requires_grad else None
+        opt.step()
+        sgd.step()
+        with torch.no_grad():
+            for p, buffer in zip(filters(ref), buffers):
+                buffer.mul_(0.6).add_(p.grad)
+                update = p.grad.add(buffer, alpha=0.6)
+                p.mul_(len(p) ** 0.5 / p.norm())
+                p.add_(newton_schulz(update.reshape(len(update), -1)).reshape(update.shape), alpha=-0.24)
+    for (name, a), b in zip(net.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    # Newton-Schulz: singular values near 1 (airbench's ~ Uniform(0.5, 1.5)), whatever the gradient's scale
+    g = torch.randn(16, 72, generator=torch.Generator().manual_seed(0))
+    for scale in (1e-4, 1.0, 1e4):
+        sv = torch.linalg.svdvals(newton_schulz(g * scale).float())
+        assert 0.4 < sv.min() and sv.max() < 1.6, sv
+
+
+def test_muon_preset_units_and_schedule():
+    """--preset muon: airbench94_muon's numbers on our mean loss over the global batch B: SGD's lr x B and a per-step
+    weight decay of 2e-6 x B; Muon at 0.24; the lr decays linearly from 1 to 0 (1 - step / total), the whitening
+    bias's from 1 to 0 at 3/8 of the run, then stays 0."""
+    from accel_trainer import resolve_args
+
+    targs, args, _ = resolve_args(cifar, ["--preset", "muon", "--mixed_precision", "no"], world_size=1)
+    assert (args.optimizer, args.lookahead, args.widths, args.batch_size) == ("muon", False, "64,256,256", 2000)
+    assert (targs.learning_rate, targs.weight_decay, targs.num_train_epochs) == (0.24, 2e-6, 8)
+    net = cifar.CifarNet(widths=(8, 16, 16), variant="airbench94_muon")
+    assert net.scale == 1 / 16 and net.head.weight.std().item() == pytest.approx(1.0)
+    ctx = cifar_ctx(args, targs, 2000)
+    opt = cifar.build_optimizer(net, ctx)
+    assert [g["muon"] for g in opt.param_groups] == [True, False, False, False]
+    assert opt.param_groups[0]["lr"] == 0.24 and opt.param_groups[0]["momentum"] == 0.6
+    for g, lr in zip(opt.param_groups[1:], (0.053, 0.053, 0.67)):
+        assert g["lr"] == pytest.approx(lr * 2000) and g["momentum"] == 0.85 and g["fused"]
+        assert g["lr"] * g["weight_decay"] == pytest.approx(2e-6 * 2000)  # per step, as airbench94_muon's wd
+    sched = cifar.build_scheduler(opt, ctx.replace(num_training_steps=200))
+    factors = []
+    for _ in range(200):
+        factors.append([g["lr"] / g["initial_lr"] for g in opt.param_groups])
+        opt.step()  # no gradients: nothing moves
+        sched.step()
+    for step in (0, 1, 100, 199):
+        assert factors[step][0] == factors[step][1] == factors[step][3] == pytest.approx(1 - step / 200)
+    assert factors[50][2] == pytest.approx(1 - 50 / 75) and factors[75][2] == factors[150][2] == 0
+
+
+def cifar_ctx(args, targs, batch):
+    from accel_trainer import RecipeContext
+
+    targs.per_device_train_batch_size = batch
+    return RecipeContext(args=args, targs=targs, world_size=1)
+
+
 def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
     from accel_trainer import UserError, resolve_args
 
@@ -358,6 +434,10 @@ def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
     assert targs.num_train_epochs == 9.9
     with pytest.raises(UserError, match="split evenly over 2 processes"):
         resolve_args(cifar, ["--batch_size", "1001"], world_size=2)
+    # A log row is a host read: every 50 updates in the GPU presets, every 10 on the CPU; a flag wins.
+    for argv, every in ((["--preset", "default"], 50), (["--preset", "muon"], 50), (["--preset", "small"], 10),
+                        (["--preset", "muon", "--logging_steps", "3"], 3)):  # fmt: skip
+        assert resolve_args(cifar, argv, world_size=1).targs.logging_steps == every, argv
 
 
 def test_an_empty_share_of_the_last_batch_gives_a_zero_weight_loss_not_nan():
@@ -600,6 +680,30 @@ def test_end_to_end_two_processes(tiny, tmp_path):
     events, config = assert_trained(out)
     assert config["num_processes"] == 2  # a real world of 2, not 2 worlds of 1
     assert config["global_train_batch_size"] == 40  # --batch_size is global: 20 per process
+
+
+@pytest.mark.parametrize("preset", ["small", "muon"])
+def test_a_run_resumed_mid_epoch_ends_with_the_uninterrupted_runs_weights(tiny, tmp_path, preset):
+    """Through the Trainer's checkpoints (JSON and safetensors), in fp32: a run resumed from its checkpoint of update
+    3 (mid-epoch: 6 updates an epoch) ends with the uninterrupted run's model.safetensors, byte for byte. It holds
+    what the recipe keeps between updates: the lookahead's count and averages (small: airbench94's SGD), Muon's and
+    SGD's momentum (muon), and the loader's position in an epoch augmented at once."""
+    import shutil
+
+    runs = {k: str(tmp_path / k) for k in ("whole", "resumed")}
+    args = tiny_run_args(tiny, runs["whole"], epochs=2) + ["--preset", preset, "--save_steps", 3]
+    proc = run_recipe(args)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    step_3 = os.path.join("checkpoints", "step_3")
+    shutil.copytree(os.path.join(runs["whole"], step_3), os.path.join(runs["resumed"], step_3))
+    args[args.index("--output_dir") + 1] = runs["resumed"]
+    proc = run_recipe(args + ["--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert f"Resumed from {runs['resumed']}/checkpoints/step_3 at step 3" in proc.stdout + proc.stderr
+    whole, resumed = (open(os.path.join(runs[k], "model.safetensors"), "rb").read() for k in runs)
+    assert whole == resumed
+    config = read_run(runs["whole"])[1]
+    assert config["recipe_args"]["optimizer"] == ("muon" if preset == "muon" else "sgd")
 
 
 def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
