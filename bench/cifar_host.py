@@ -11,8 +11,9 @@ build_scheduler of recipes/cifar.py; fp32, one thread, the CPU):
   optimizer  the optimizer step (SGD + lookahead, or Muon + SGD), the scheduler step, zero_grad
 
 Ops are counted with a TorchDispatchMode over --updates updates after a warm-up epoch, a whole number of epochs
-and of lookahead periods (5 updates), and do not move with the machine's load; times are the median over blocks of
-10 updates of perf_counter, and do. docs/cifar.md has the numbers.
+and of lookahead periods (5 updates), and do not move with the machine's load. Times are this thread's CPU time
+(time.thread_time; torch runs one thread here), the median over blocks of 10 updates: the host's work, which other
+processes on a shared machine disturb less than the wall clock. docs/cifar.md has the numbers.
 """
 
 import argparse
@@ -93,19 +94,19 @@ def main():
     it = batches()
 
     def update(count: bool):
-        stamps = [time.perf_counter()]
+        stamps = [time.thread_time()]
         with ops["loader"] if count else _nothing():
             batch = next(it)
-        stamps.append(time.perf_counter())
+        stamps.append(time.thread_time())
         with ops["forward"] if count else _nothing():
             loss, _ = cifar.loss(net, batch)
             loss.backward()
-        stamps.append(time.perf_counter())
+        stamps.append(time.thread_time())
         with ops["optimizer"] if count else _nothing():
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
+        stamps.append(time.thread_time())
         return [b - a for a, b in zip(stamps, stamps[1:])]
 
     net.train()

@@ -1,19 +1,22 @@
 """CIFAR-10 at speed-record pace, through the Trainer: the airbench94 method (Jordan 2024, arXiv:2404.00498).
 
     python recipes/cifar.py --dataset ../shared/data/cifar10              # default preset: airbench94, for a GPU
+    python recipes/cifar.py --preset muon --dataset ../shared/data/cifar10    # airbench94_muon, for a GPU
     python recipes/cifar.py --preset small --dataset ../shared/data/cifar10   # a 2-core CPU (docs/cifar.md)
     accelerate launch recipes/cifar.py ...                                 # any number of processes, same flags
 
 What makes it fast (each line is an airbench94 ingredient; see docs/cifar.md for measurements):
-* Data: the whole split lives on the device as uint8; flip + translate run in batches on the device (cifar_data.py).
-  Flips alternate: each image is seen mirrored and unmirrored in any two consecutive epochs.
+* Data: the whole split lives on the device as uint8; flip + translate run once per epoch on the device, batches
+  are slices (cifar_data.py). Flips alternate: each image is seen mirrored and unmirrored in any two consecutive
+  epochs.
 * Net: a VGG-like ConvNet (widths 64/256/256 by default), 2x2 first conv initialised as a frozen patch-whitening
   layer (from 5000 train images), identity (dirac) init of the other convs, BatchNorm with no affine weight and a
   fast running-stat momentum, logits scaled down by 9.
 * Optimisation: Nesterov SGD in airbench's decoupled units (the learning rate and weight decay are per 1024
   examples, so they do not move when the batch size or momentum changes), BatchNorm biases at 64x the lr,
   label smoothing 0.2, a triangular lr schedule, lookahead (an EMA of the weights copied back into the net every
-  5 steps, with a decay that warms up), and the whitening bias frozen after 30% of training.
+  5 steps, with a decay that warms up), and the whitening bias frozen after 30% of training. torch's fused SGD.
+  `--preset muon`: Muon for the conv filters instead, no lookahead (cifar_muon.py).
 * Eval: test-time augmentation (mirror + 1-pixel shifts, 6 views) in the final eval.
 
 Units: lr and weight decay are airbench's ("per 1024 examples"): `--learning_rate 11.5 --weight_decay 0.0153`.
@@ -308,8 +311,9 @@ def build_model(ctx):
     model = CifarNet(_widths(args), bn_momentum=args.bn_momentum, label_smoothing=args.label_smoothing, variant=variant)
     with ctx.accelerator.main_process_first():  # rank 0 decodes and caches the data; the others then read it
         train_images = load_cifar10(args.dataset, args.cache_dir)["train"][0]
-    # Whitening statistics from the first 5000 train images: the same on every rank, no communication needed.
-    model.init_whitening(normalize(torch.from_numpy(train_images[:5000])))
+    # Whitening statistics from the first 5000 train images: the same on every rank, no communication needed;
+    # computed on the training device, as airbench does (and times: bench/cifar.py), then copied into the model.
+    model.init_whitening(normalize(torch.from_numpy(train_images[:5000]).to(ctx.accelerator.device)))
     # FSDP2 shards only contiguous parameters ("FSDP does not support non-contiguous parameters yet", a traceback
     # at start-up): under FSDP the weights keep the default layout; the inputs are channels_last either way.
     sharded = getattr(ctx.accelerator, "distributed_type", None) == DistributedType.FSDP

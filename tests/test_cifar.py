@@ -401,6 +401,16 @@ def test_muon_preset_units_and_schedule():
     for step in (0, 1, 100, 199):
         assert factors[step][0] == factors[step][1] == factors[step][3] == pytest.approx(1 - step / 200)
     assert factors[50][2] == pytest.approx(1 - 50 / 75) and factors[75][2] == factors[150][2] == 0
+    # Under FSDP a rank holds a shard of each filter's update, which Muon orthogonalizes whole: refused in one line
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from accel_trainer import UserError
+
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, device=torch.device("cpu"))
+    with pytest.raises(UserError, match="under FSDP a process holds a shard"):
+        cifar.build_optimizer(net, ctx.replace(accelerator=fsdp))
 
 
 def cifar_ctx(args, targs, batch):
