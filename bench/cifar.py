@@ -275,7 +275,7 @@ def main():
     target = own.target or (0.87 if "small" in recipe_argv else 0.94)
     recipe = load_recipe(cifar)
 
-    if "--torch_compile" in recipe_argv:
+    if any(a.startswith("--torch_compile") for a in recipe_argv):
         # Each run here builds a new Accelerator, and torch.compile guards on the identity of its autocast wrapper:
         # every seed compiles its graphs (train, eval) again, and at dynamo's default limit of 8 per function the
         # later seeds silently ran eager (seen on an H100: 8 graphs, no speed-up). A process of one run (the recipe)

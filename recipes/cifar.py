@@ -486,11 +486,11 @@ class LookaheadSGD(torch.optim.SGD):
 
     def _pairs(self):
         """(EMA tensors, the net's tensors they average), as plain tensors, built once; the parameters' averages
-        allocated from the net where they are missing. Not at construction: DCP loads into the state a fresh optimizer has after
-        one zero-lr step (get_optimizer_state_dict runs it only while the state is empty), so the EMA must exist
-        after a step, and must not exist before one (SGD's momentum would then not be created to load into).
-        Under FSDP2 the parameters are DTensors beside plain buffers, and one _foreach op over both fails: each
-        rank averages its own shards (to_local shares their storage), the buffers whole."""
+        allocated from the net where they are missing. Not at construction: DCP loads into the state a fresh
+        optimizer has after one zero-lr step (get_optimizer_state_dict runs it only while the state is empty), so
+        the EMA must exist after a step, and must not exist before one (SGD's momentum would then not be created to
+        load into). Under FSDP2 the parameters are DTensors beside plain buffers, and one _foreach op over both
+        fails: each rank averages its own shards (to_local shares their storage), the buffers whole."""
         if self._lists is not None:
             return self._lists
 

@@ -10,10 +10,11 @@ Two pieces, both usable on their own:
 
 * `DeviceLoader`: the whole split lives on the device as uint8; at each epoch's start this rank's share of it is
   shuffled, flipped and translated with one gather on the device (as airbench94 augments the whole train set per
-  epoch), and each batch is a slice of that, normalized. No per-sample Python, no worker processes. Under N processes every rank
-  takes its own slice of each global batch, so every sample is seen exactly once per epoch across ranks, and the
-  order (and the augmentation) depends only on (seed, epoch): the same seed gives the same global batches on any
-  number of processes. Implements the Trainer's "batch loader" protocol (docs/architecture.md).
+  epoch), and each batch is a slice of that, normalized. No per-sample Python, no worker processes. Under N
+  processes every rank takes its own slice of each global batch, so every sample is seen exactly once per epoch
+  across ranks, and the order (and the augmentation) depends only on (seed, epoch): the same seed gives the same
+  global batches on any number of processes. Implements the Trainer's "batch loader" protocol
+  (docs/architecture.md).
 """
 
 import hashlib
