@@ -455,14 +455,16 @@ class LookaheadSGD(torch.optim.SGD):
     The tensors it averages, and their averages, are listed once (at the first step, when prepare() has placed the
     model; again after a load): walking the parameters and the model's buffers every step was most of the host's
     work for a pull that comes every fifth step. An update skipped on the device (a fused step given GradScaler's
-    flag) would still be pulled and counted here: this optimizer asks to be skipped from the host instead.
+    flag) would still be pulled and counted here: this optimizer, fused or not, is skipped from the host (it is
+    built unfused, so GradScaler and the Trainer's --nan_policy skip do not hand it a skip flag).
     """
 
     def __init__(self, params, model, lr, momentum, every=5, decay_base=0.95, decay_pow=3.0, enabled=True, fused=None):
-        super().__init__(params, lr=lr, momentum=momentum, nesterov=True, fused=fused)
-        # The attribute GradScaler and the Trainer's --nan_policy skip read to skip a fused step on the device: off,
-        # as for an unfused optimizer (see the docstring).
-        self._step_supports_amp_scaling = False
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=True)
+        # torch's fused step where `fused` (_fused: not under FSDP), set in the param groups only during a step: the
+        # state a checkpoint holds is the same on any launch, so that a run resumes on another world size (its check
+        # wants every flag of a param group as it is here).
+        self.fused = fused
         self.model, self.every, self.enabled = model, every, enabled
         self.decay_base, self.decay_pow = decay_base, decay_pow
         self.total_steps = None  # set by build_scheduler, which knows the run length
@@ -512,7 +514,13 @@ class LookaheadSGD(torch.optim.SGD):
     def step(self, closure=None):
         if self.enabled:
             self._pairs()  # at the first step before the update: the average starts from the net as built
-        loss = super().step(closure)
+        for group in self.param_groups:
+            group["fused"] = self.fused
+        try:
+            loss = super().step(closure)
+        finally:
+            for group in self.param_groups:
+                group["fused"] = None
         state = self.param_groups[0]["lookahead"]
         state["step"] += 1
         n, total = state["step"], self.total_steps
@@ -598,7 +606,7 @@ def _muon_optimizer(model, ctx):
     per-step weight decay --weight_decay x B (torch multiplies its weight_decay by the lr: the ratio is passed).
     Muon's step does not depend on the loss's scale. Its param groups: [filters, BatchNorm biases, whitening bias,
     head] (build_scheduler's order)."""
-    args, targs, acc = ctx.args, ctx.targs, ctx.accelerator
+    args, targs, acc = ctx.args, ctx.targs, getattr(ctx, "accelerator", None)
     if acc is not None and getattr(acc, "distributed_type", None) == DistributedType.FSDP:
         raise UserError(
             "--optimizer muon (--preset muon) orthogonalizes each conv filter's whole update, and under FSDP a "
@@ -622,8 +630,9 @@ def _muon_optimizer(model, ctx):
 
 def _fused(ctx) -> bool | None:
     """torch's fused SGD (one kernel for all of an update's parameters, where the default runs a few per parameter
-    group or per parameter) on the CPU and CUDA; under FSDP, whose parameters are DTensors, torch's default (None)."""
-    acc = ctx.accelerator
+    group or per parameter) on the CPU and CUDA; under FSDP, whose parameters are DTensors, torch's default (None).
+    A context without an accelerator (a test's, a bench's) is a CPU's."""
+    acc = getattr(ctx, "accelerator", None)
     if acc is not None and getattr(acc, "distributed_type", None) == DistributedType.FSDP:
         return None
     return (acc.device.type if acc is not None else "cpu") in ("cpu", "cuda") or None

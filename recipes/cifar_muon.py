@@ -55,13 +55,14 @@ class Muon(torch.optim.Optimizer):
     """Param groups with `muon: True` take airbench94_muon's Muon step: Nesterov momentum, the weight rescaled to a
     norm of sqrt(its first dimension), then a step of `lr` along the orthogonalized update (its size does not
     depend on the loss's scale, so a mean loss trains as airbench's summed one). The others take torch's SGD
-    (`sgd`, fused where `fused` is set) with their lr, momentum, Nesterov and weight decay. No step is skipped on the
+    (`sgd`, fused where `self.fused` is set) with their lr, momentum, Nesterov and weight decay. No step is skipped on the
     device (GradScaler and --nan_policy skip decide from the host, as for any optimizer that takes no skip flag)."""
 
     def __init__(self, params, lr, momentum, nesterov=True, fused=None, compiled=False):
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0, muon=False, fused=fused)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0, muon=False)
         super().__init__(params, defaults)
-        self.compiled = compiled
+        # Not in the param groups: a checkpoint's are the same on any device and launch.
+        self.fused, self.compiled = fused, compiled
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -84,7 +85,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 sgd(params, grads, buffers, weight_decay=group["weight_decay"], momentum=group["momentum"],
                     lr=group["lr"], dampening=0.0, nesterov=group["nesterov"], maximize=False,
-                    fused=group["fused"])  # fmt: skip
+                    fused=self.fused)  # fmt: skip
             for p, buffer in zip(params, buffers):
                 self.state[p]["momentum_buffer"] = buffer
         return loss

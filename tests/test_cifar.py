@@ -390,7 +390,7 @@ def test_muon_preset_units_and_schedule():
     assert [g["muon"] for g in opt.param_groups] == [True, False, False, False]
     assert opt.param_groups[0]["lr"] == 0.24 and opt.param_groups[0]["momentum"] == 0.6
     for g, lr in zip(opt.param_groups[1:], (0.053, 0.053, 0.67)):
-        assert g["lr"] == pytest.approx(lr * 2000) and g["momentum"] == 0.85 and g["fused"]
+        assert g["lr"] == pytest.approx(lr * 2000) and g["momentum"] == 0.85 and opt.fused
         assert g["lr"] * g["weight_decay"] == pytest.approx(2e-6 * 2000)  # per step, as airbench94_muon's wd
     sched = cifar.build_scheduler(opt, ctx.replace(num_training_steps=200))
     factors = []
@@ -529,7 +529,8 @@ def test_sgd_is_fused_and_an_update_the_scaler_skips_changes_nothing():
     net = cifar.CifarNet(widths=(4, 8, 8))
     ctx = RecipeContext(args=cifar.Args(), targs=TrainingArguments(per_device_train_batch_size=64), world_size=1)
     opt = cifar.build_optimizer(net, ctx)
-    assert [g["fused"] for g in opt.param_groups] == [True] * 3
+    assert opt.fused is True  # set in the param groups during a step only: a checkpoint's are the same on any launch
+    assert [g["fused"] for g in opt.param_groups] == [None] * 3
     opt.total_steps = 1  # the first step would pull
     before = {k: v.clone() for k, v in net.named_parameters()}
     scaler = torch.amp.GradScaler("cpu")

@@ -306,8 +306,10 @@ def test_cifar_under_fsdp_resumes_bit_identically_after_sigkill(tmp_path):
     # The last checkpoint on one process (load_resharded, as a 2 FSDP -> 1 resume loads it): the lookahead's count
     # and averages come back from DCP; the last update copied the averages into the net, so they are its weights.
     net = cifar.CifarNet((8, 16, 16))
-    opt = cifar.build_optimizer(net, SimpleNamespace(args=cifar.Args(), targs=SimpleNamespace(weight_decay=0.0),
-                                learning_rate=1.0, global_batch_size=16))  # fmt: skip
+    ctx = SimpleNamespace(args=cifar.Args(), targs=SimpleNamespace(weight_decay=0.0), learning_rate=1.0,
+                          global_batch_size=16, num_training_steps=6)  # fmt: skip
+    opt = cifar.build_optimizer(net, ctx)
+    cifar.build_scheduler(opt, ctx)  # its param groups as the run's (the scheduler's initial_lr): the check wants them
     ckpt_load.load_resharded(os.path.join(out["whole"], "checkpoints", "step_6"), net, opt)
     assert opt.step_count == 6
     ema, current = opt._pairs()
