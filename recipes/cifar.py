@@ -302,6 +302,11 @@ def _cifarnet(model):
     return model
 
 
+def _whitening_images(train_images, device):
+    """The first 5000 train images (uint8 NHWC, numpy), normalized, on `device`."""
+    return normalize(torch.from_numpy(train_images[:5000]).to(device))
+
+
 def build_model(ctx):
     args = ctx.args
     if args.cudnn_benchmark and ctx.accelerator.device.type == "cuda":
@@ -313,7 +318,7 @@ def build_model(ctx):
         train_images = load_cifar10(args.dataset, args.cache_dir)["train"][0]
     # Whitening statistics from the first 5000 train images: the same on every rank, no communication needed;
     # computed on the training device, as airbench does (and times: bench/cifar.py), then copied into the model.
-    model.init_whitening(normalize(torch.from_numpy(train_images[:5000]).to(ctx.accelerator.device)))
+    model.init_whitening(_whitening_images(train_images, ctx.accelerator.device))
     # FSDP2 shards only contiguous parameters ("FSDP does not support non-contiguous parameters yet", a traceback
     # at start-up): under FSDP the weights keep the default layout; the inputs are channels_last either way.
     sharded = getattr(ctx.accelerator, "distributed_type", None) == DistributedType.FSDP

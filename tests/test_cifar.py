@@ -832,6 +832,9 @@ def test_cudnn_benchmark_on_a_cuda_gpu(tiny, tmp_path, monkeypatch, device, flag
     from accel_trainer import resolve_args
 
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    # the whitening images stay on the CPU: this machine's torch may have no CUDA
+    on_the_cpu = cifar._whitening_images
+    monkeypatch.setattr(cifar, "_whitening_images", lambda images, device: on_the_cpu(images, "cpu"))
     argv = ["--dataset", tiny["pickle"], "--cache_dir", str(tmp_path), "--widths", "8,8,8"]
     _, args, _ = resolve_args(cifar, argv + (["--cudnn_benchmark", flag] if flag else []))
     accelerator = SimpleNamespace(device=torch.device(device), main_process_first=contextlib.nullcontext)
