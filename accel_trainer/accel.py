@@ -20,6 +20,7 @@ from accelerate.utils import (
     DynamoBackend,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    TorchDynamoPlugin,
 )
 
 from . import cpu_allocator, faults, precision, privates, sharding, versions
@@ -119,6 +120,32 @@ def inductor_on_cpu(accelerator) -> dict | None:
     return {"cpp.weight_prepack": False}
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that record CUDA graphs
+
+
+def compile_notes(accelerator, last_rows: list[int] | None) -> list[str]:
+    """One line for each part of the run CUDA graphs cannot take, under a compile mode that records them: a device
+    that is not CUDA (inductor compiles as in the default mode there), and an epoch's last batch of another shape
+    (`last_rows`: each rank's samples in it, loaders.last_batch_rows), which is compiled and recorded anew. A recipe's
+    own loader says nothing of its last batch: its shapes are the recipe's."""
+    plugin = accelerator.state.dynamo_plugin
+    mode = plugin.mode if plugin.backend != DynamoBackend.NO else None
+    if mode not in CUDA_GRAPH_MODES:
+        return []
+    notes = []
+    if accelerator.device.type != "cuda":
+        notes.append(
+            f"note: --torch_compile_mode {mode} records CUDA graphs, which need a CUDA device: on "
+            f"{accelerator.device.type} inductor compiles as in its default mode, without them."
+        )
+    if last_rows is not None:
+        notes.append(
+            f"note: --torch_compile_mode {mode}: each epoch's last batch holds {min(last_rows)} samples on some rank, "
+            "another shape, which is compiled and recorded anew; --dataloader_drop_last keeps one shape."
+        )
+    return notes
+
+
 def nccl_error_handling(environ=None):
     """Set NCCL_ERROR_HANDLING unless the user chose a value (under either of torch's names for it)."""
     environ = os.environ if environ is None else environ
@@ -187,7 +214,12 @@ def build_accelerator(args: TrainingArguments) -> Accelerator:
         gradient_accumulation_steps=1,
         # We step the scheduler once per optimizer update ourselves; Accelerate would step it num_processes times.
         step_scheduler_with_optimizer=False,
-        dynamo_backend="inductor" if args.torch_compile else None,  # torch.compile, applied by prepare()
+        # torch.compile, applied by prepare(), in the mode asked for (unset: an accelerate config's, else torch's
+        # default). A later Trainer of the same recipe in the process compiles nothing again: dynamo guards on the
+        # modules' structure, not their identity (tests/test_compile_cpu.py).
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=args.torch_compile_mode)
+        if args.torch_compile
+        else None,
         log_with=args.trackers,
         project_dir=args.output_dir,
         kwargs_handlers=handlers,

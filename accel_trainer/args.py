@@ -23,6 +23,9 @@ STRATEGIES = ("no", "steps", "epoch")  # transformers' IntervalType, for --eval_
 COMMON_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "polynomial", "cosine_with_restarts")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
+
 @dataclass
 class TrainingArguments:
     # --- where things go -----------------------------------------------------------------------------------------
@@ -193,6 +196,13 @@ class TrainingArguments:
     )
     use_cpu: bool = field(default=False, metadata={"help": "Train on the CPU even if a GPU is present."})
     torch_compile: bool = field(default=False, metadata={"help": "torch.compile the model."})
+    torch_compile_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "torch.compile's mode: default, reduce-overhead (CUDA graphs: the host's launches recorded once), "
+            "max-autotune (autotuned kernels and CUDA graphs), max-autotune-no-cudagraphs. Implies --torch_compile."
+        },
+    )
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Activation checkpointing (transformers models)."}
     )
@@ -285,6 +295,10 @@ class TrainingArguments:
             raise ArgumentError(f"--{flag}: {msg}")
 
         self.report_to = canonical_report_to(self.report_to)
+        if self.torch_compile_mode is not None:
+            if self.torch_compile_mode not in COMPILE_MODES:
+                bad("torch_compile_mode", f"{self.torch_compile_mode!r} is not one of {', '.join(COMPILE_MODES)}.")
+            self.torch_compile = True
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             bad("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISION)}.")
         if self.ddp_comm_hook not in COMM_HOOKS:

@@ -118,10 +118,14 @@ class AutocastForward:
 
     def __init__(self, module, forward, autocast):
         self.module, self.forward, self.autocast = weakref.ref(module), forward, autocast
+        # The device type as a plain string: under torch.compile an attribute of the autocast object is no value
+        # dynamo can pass to is_autocast_enabled, a graph break at the top of every compiled forward
+        # (tests/test_compile_cpu.py).
+        self.device = str(autocast.device)
 
     def __call__(self, *args, **kwargs):
         module = self.module()
-        if torch.is_autocast_enabled(self.autocast.device):
+        if torch.is_autocast_enabled(self.device):
             return self.forward(module, *args, **kwargs)
         with self.autocast:
             out = self.forward(module, *args, **kwargs)

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import build, debugging, evaluation, faults, loaders, peers, preflight, shards
-from .accel import configure_process
+from .accel import compile_notes, configure_process
 from .args import TrainingArguments
 from .checkpointing.manager import AFTER_TRAINING_TRACEBACK, CheckpointManager, prepare_output_dir
 from .checkpointing.pretrained import push_to_hub
@@ -108,6 +108,8 @@ class Trainer:
                 f"note: --dataloader_num_workers {args.dataloader_num_workers} does nothing here: recipe "
                 f"{self.recipe.name} batches its data itself (build_data's 'loader'), in the training process."
             )
+        for line in compile_notes(acc, getattr(self.data, "last_rows", None)):  # what CUDA graphs cannot take
+            self.reporter.print(line)
         # (micro-batches per epoch on this rank, updates per epoch, total updates). A stream's length is unknown
         # (None): the run length is --max_steps, an epoch ends when the stream does.
         run_length = self.data.run_length(args, self.eval_loader, self.recipe.name)

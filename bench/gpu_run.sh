@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU run in one command, under 6 minutes on one H100/H200, on a machine where the project is not
+# The whole GPU run in one command, within 10 minutes on one H100/H200, on a machine where the project is not
 # installed (run from a checkout; the checkout goes on PYTHONPATH) and nothing can be downloaded:
 #
 #   bench/gpu_run.sh --data DIR --out DIR [--wheels DIR] [--budget S] [--dry-run] [-- bench/gpu.py flags...]
@@ -11,7 +11,7 @@
 #   --wheels DIR   wheels to install first, with pip --no-index --no-deps into OUT/site (put first on PYTHONPATH):
 #                  what the machine lacks, e.g. datasets, evaluate and their pinned needs dill and multiprocess
 #                  (docs/cifar.md, "The GPU run", has the download command); one version of each
-#   --budget S     seconds bench/gpu.py may take (default 330): rows that do not fit are reported as skipped
+#   --budget S     seconds bench/gpu.py may take (default 540): rows that do not fit are reported as skipped
 #   --dry-run      on any machine, a CPU: the same steps with bench/gpu.py --cpu on its tiny generated CIFAR
 #                  (--data is checked, not trained on), the wheels installed into OUT/site the same way
 #
@@ -20,7 +20,7 @@ set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
-DATA="" OUT="" WHEELS="" BUDGET=330 DRY=0
+DATA="" OUT="" WHEELS="" BUDGET=540 DRY=0
 EXTRA=()
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -40,7 +40,7 @@ done
 [ -n "$DATA" ] || die "no CIFAR-10 folder: pass --data DIR (the Hub parquet layout, e.g. shared/data/cifar10)"
 [ -n "$OUT" ] || die "no output folder: pass --out DIR"
 [ -d "$DATA" ] || die "--data $DATA is not a folder: pass the CIFAR-10 folder (plain_text/*.parquet in it)"
-[[ "$BUDGET" =~ ^[0-9]+$ ]] || die "--budget $BUDGET: pass whole seconds, e.g. 330"
+[[ "$BUDGET" =~ ^[0-9]+$ ]] || die "--budget $BUDGET: pass whole seconds, e.g. 540"
 command -v "$PY" >/dev/null || die "no $PY on PATH: set PYTHON=/path/to/python"
 ls "$DATA"/plain_text/train-*.parquet >/dev/null 2>&1 && ls "$DATA"/plain_text/test-*.parquet >/dev/null 2>&1 ||
   die "--data $DATA lacks plain_text/train-*.parquet or test-*.parquet: pass a folder in the Hub layout"
@@ -116,7 +116,7 @@ else
   SUITE=("$ROOT/bench/gpu.py" --dataset "$DATA" --cache_dir "$OUT/cache")
 fi
 # A flag given twice takes its last value: what follows -- wins over these.
-"$PY" "${SUITE[@]}" --out "$OUT/suite" --json "$OUT/suite.json" --budget "$BUDGET" --timeout 240 "${EXTRA[@]}"
+"$PY" "${SUITE[@]}" --out "$OUT/suite" --json "$OUT/suite.json" --budget "$BUDGET" --timeout 300 "${EXTRA[@]}"
 rc=$?
 echo "bench/gpu_run.sh: exit $rc after $((SECONDS - START)) s; JSON $OUT/suite.json, logs $OUT/suite/logs, $OUT/gpu_run.log"
 exit $rc

@@ -8,15 +8,18 @@ Two pieces, both usable on their own:
   `cifar-10-batches-py` pickle folder. Decoding 60k PNGs takes seconds, so the arrays are cached as .npy under
   `cache_dir` and the second start skips `datasets` entirely.
 
-* `DeviceLoader`: the whole split lives on the device as uint8; each batch is cut, flipped and translated with one
-  gather on the device, then normalized. No per-sample Python, no worker processes. Under N processes every rank
-  takes its own slice of each global batch, so every sample is seen exactly once per epoch across ranks, and the
-  order (and the augmentation) depends only on (seed, epoch): the same seed gives the same global batches on any
-  number of processes. Implements the Trainer's "batch loader" protocol (docs/architecture.md).
+* `DeviceLoader`: the whole split lives on the device as uint8; at each epoch's start this rank's share of it is
+  shuffled, flipped and translated with one gather on the device (as airbench94 augments the whole train set per
+  epoch), and each batch is a slice of that, normalized. No per-sample Python, no worker processes. Under N
+  processes every rank takes its own slice of each global batch, so every sample is seen exactly once per epoch
+  across ranks, and the order (and the augmentation) depends only on (seed, epoch): the same seed gives the same
+  global batches on any number of processes. Implements the Trainer's "batch loader" protocol
+  (docs/architecture.md).
 """
 
 import hashlib
 import io
+import itertools
 import os
 import pickle
 
@@ -363,12 +366,18 @@ class DeviceLoader:
         return self.skip_first_batches(0)
 
     def skip_first_batches(self, n):
-        order, flip, dy, dx = (t.to(self.device) for t in self.epoch_plan())
-        for step in range(n, self.num_batches):
-            a, b = self.rank_slice(step)
-            idx = order[a:b]
-            if self.train:
-                x = augment_gather(self.images, idx, flip[a:b], dy[a:b], dx[a:b], self.translate)
-            else:
-                x = self.images[idx]
-            yield {"images": normalize(x, self.dtype, self.stats), "labels": self.labels[idx]}
+        """The epoch's batches from batch n on. Train: this rank's images of those batches are flipped and
+        translated at once, in one gather on the device (airbench94 augments the whole split per epoch), and each
+        batch is a slice of them; the epoch's plan is a function of (seed, epoch), so a resumed epoch gets the
+        batches the uninterrupted one had. Eval: slices of the split as it is (its order is the split's)."""
+        spans = [self.rank_slice(step) for step in range(n, self.num_batches)]
+        images, labels = self.images, self.labels
+        if self.train and spans:
+            rows = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))  # this rank's positions
+            order, flip, dy, dx = (t[rows].to(self.device) for t in self.epoch_plan())
+            images = augment_gather(self.images, order, flip, dy, dx, self.translate)  # [rows, H, W, C], uint8
+            labels = self.labels[order]
+            ends = list(itertools.accumulate(b - a for a, b in spans))
+            spans = list(zip([0, *ends[:-1]], ends))  # each batch's rows in `images`
+        for a, b in spans:
+            yield {"images": normalize(images[a:b], self.dtype, self.stats), "labels": labels[a:b]}

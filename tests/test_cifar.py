@@ -165,6 +165,34 @@ def test_skip_first_batches_and_len():
     assert len(DeviceLoader(x, y, 16, train=True, drop_last=True)) == 6
 
 
+def test_an_epoch_is_augmented_at_once_and_a_resumed_epoch_gives_its_batches(monkeypatch):
+    """As airbench94 does, the whole train split is flipped and translated once per epoch (one gather on the
+    device), and the batches are slices of it: one gather per epoch, not per batch. The epoch's augmentation is a
+    function of (seed, epoch) alone, so a run resumed mid-epoch (skip_first_batches) gets exactly the batches,
+    pixels and labels, of the uninterrupted one, on 1 and 2 ranks, whose global batches are the 1-rank ones."""
+    x, y = tiny_arrays(100, 0)
+    gathers, real = [], cifar_data.augment_gather
+    monkeypatch.setattr(cifar_data, "augment_gather", lambda *a, **k: gathers.append(1) or real(*a, **k))
+
+    def batches(rank=0, world=1, skip=0):
+        ld = DeviceLoader(x, y, 16 // world, train=True, seed=3, rank=rank, world_size=world)
+        ld.set_epoch(2)
+        return [(b["images"], b["labels"]) for b in ld.skip_first_batches(skip)]
+
+    whole = batches()
+    assert len(gathers) == 1 and len(whole) == 7
+    for world in (1, 2):
+        ranks = [batches(rank, world) for rank in range(world)]
+        for step, (images, labels) in enumerate(whole):  # the ranks' parts make the 1-rank global batch
+            assert torch.equal(torch.cat([r[step][0] for r in ranks]), images)
+            assert torch.equal(torch.cat([r[step][1] for r in ranks]), labels)
+        for rank in range(world):
+            resumed = batches(rank, world, skip=3)
+            assert len(resumed) == 4
+            for (a, la), (b, lb) in zip(resumed, ranks[rank][3:]):
+                assert torch.equal(a, b) and torch.equal(la, lb)
+
+
 def reference_view(img, flip, dy, dx, pad=2):
     """numpy: mirror (if flip), reflect-pad by `pad`, crop 32x32 at offset (pad + dy, pad + dx)."""
     img = img[:, ::-1] if flip else img
@@ -249,6 +277,39 @@ def test_whitening_layer_whitens_patches():
     assert net(images[:4].contiguous(memory_format=torch.channels_last)).shape == (4, 10)
 
 
+def smooth_images(n: int, seed: int) -> np.ndarray:
+    """uint8 NHWC images whose neighbouring pixels and colours are as correlated as photographs' (a low-resolution
+    random field, upsampled, tinted, plus a little noise): the 2x2 patch covariance then has CIFAR's spread of
+    eigenvalues, which the tiny noisy images lack."""
+    g = torch.Generator().manual_seed(seed)
+    field = F.interpolate(torch.rand(n, 1, 6, 6, generator=g), size=32, mode="bicubic", align_corners=False)
+    tint = torch.rand(n, 3, 1, 1, generator=g) * 0.3 + 0.7
+    images = field * tint * 255 + torch.randn(n, 3, 32, 32, generator=g) * 2
+    return images.clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def test_the_whitening_conv_computes_in_fp32_under_autocast():
+    """Each whitened channel of a bf16-autocast forward within 1% (relative, over the batch) of the fp32 one. In
+    bf16 the smallest-variance directions, whose filters are the largest (1 / sqrt(eigenvalue)) and whose outputs
+    the smallest, lost up to 6% here and 10.6% on CIFAR-10 itself (docs/cifar.md); airbench keeps that layer's
+    precision (its fp16 loses at most 1.3% on CIFAR-10)."""
+    images = cifar_data.normalize(torch.from_numpy(smooth_images(64, 0))).contiguous(memory_format=torch.channels_last)
+    net = cifar.CifarNet(widths=(8, 16, 16))
+    net.init_whitening(images)
+    with torch.no_grad():
+        net.whiten.bias.normal_(0, 0.01)  # trained: the bias moves
+    seen = []
+    net.whiten.register_forward_hook(lambda module, inputs, out: seen.append(out.detach().float()))
+    with torch.no_grad():
+        net(images)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = net(images)
+    exact, mixed = seen
+    error = torch.linalg.vector_norm(mixed - exact, dim=(0, 2, 3)) / torch.linalg.vector_norm(exact, dim=(0, 2, 3))
+    assert error.max() < 0.01, error
+    assert logits.dtype == torch.bfloat16  # the rest of the net still computes in bf16
+
+
 def test_lr_units_and_schedule():
     from accel_trainer import RecipeContext, TrainingArguments
 
@@ -271,6 +332,92 @@ def test_lr_units_and_schedule():
     assert factors[0][0] == pytest.approx(0.2) and factors[23][0] == pytest.approx(1.0)
     assert factors[99][0] == pytest.approx(1 + (0.07 - 1) * 76 / 77)
     assert factors[29][2] > 0 and factors[30][2] == 0  # whitening bias frozen after 30%
+
+
+def test_muon_steps_as_airbench94_muon_does():
+    """The recipe's Muon against airbench94_muon's update written out per tensor: Nesterov momentum, the filter
+    rescaled to norm sqrt(its first dimension), a step of lr along the Newton-Schulz orthogonalized update (in bf16);
+    and the other groups as torch's fused SGD takes them. Bit for bit over 4 steps of fixed gradients."""
+    import copy
+
+    from cifar_muon import Muon, newton_schulz
+
+    torch.manual_seed(0)
+    net = cifar.CifarNet(widths=(4, 8, 8), variant="airbench94_muon")
+    ref = copy.deepcopy(net)
+    filters = lambda m: [p for p in m.parameters() if p.ndim == 4 and p.requires_grad]  # noqa: E731
+    rest = lambda m: [p for p in m.parameters() if p.ndim < 4 and p.requires_grad]  # noqa: E731
+    opt = Muon([{"params": filters(net), "muon": True}, {"params": rest(net), "lr": 0.1, "momentum": 0.85,
+                "weight_decay": 0.01}], lr=0.24, momentum=0.6, fused=True)  # fmt: skip
+    sgd = torch.optim.SGD(rest(ref), lr=0.1, momentum=0.85, nesterov=True, weight_decay=0.01, fused=True)
+    buffers = [torch.zeros_like(p) for p in filters(ref)]
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 100 + i))
+                 for i, p in enumerate(net.parameters())]  # fmt: skip
+        for model in (net, ref):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone() if p.requires_grad else None
+        opt.step()
+        sgd.step()
+        with torch.no_grad():
+            for p, buffer in zip(filters(ref), buffers):
+                buffer.mul_(0.6).add_(p.grad)
+                update = p.grad.add(buffer, alpha=0.6)
+                p.mul_(len(p) ** 0.5 / p.norm())
+                p.add_(newton_schulz(update.reshape(len(update), -1)).reshape(update.shape), alpha=-0.24)
+    for (name, a), b in zip(net.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    # Newton-Schulz: singular values near 1 (airbench's ~ Uniform(0.5, 1.5)), whatever the gradient's scale
+    g = torch.randn(16, 72, generator=torch.Generator().manual_seed(0))
+    for scale in (1e-4, 1.0, 1e4):
+        sv = torch.linalg.svdvals(newton_schulz(g * scale).float())
+        assert 0.4 < sv.min() and sv.max() < 1.6, sv
+
+
+def test_muon_preset_units_and_schedule():
+    """--preset muon: airbench94_muon's numbers on our mean loss over the global batch B: SGD's lr x B and a per-step
+    weight decay of 2e-6 x B; Muon at 0.24; the lr decays linearly from 1 to 0 (1 - step / total), the whitening
+    bias's from 1 to 0 at 3/8 of the run, then stays 0."""
+    from accel_trainer import resolve_args
+
+    targs, args, _ = resolve_args(cifar, ["--preset", "muon", "--mixed_precision", "no"], world_size=1)
+    assert (args.optimizer, args.lookahead, args.widths, args.batch_size) == ("muon", False, "64,256,256", 2000)
+    assert (targs.learning_rate, targs.weight_decay, targs.num_train_epochs) == (0.24, 2e-6, 8)
+    net = cifar.CifarNet(widths=(8, 16, 16), variant="airbench94_muon")
+    assert net.scale == 1 / 16 and net.head.weight.std().item() == pytest.approx(1.0)
+    ctx = cifar_ctx(args, targs, 2000)
+    opt = cifar.build_optimizer(net, ctx)
+    assert [g["muon"] for g in opt.param_groups] == [True, False, False, False]
+    assert opt.param_groups[0]["lr"] == 0.24 and opt.param_groups[0]["momentum"] == 0.6
+    for g, lr in zip(opt.param_groups[1:], (0.053, 0.053, 0.67)):
+        assert g["lr"] == pytest.approx(lr * 2000) and g["momentum"] == 0.85 and opt.fused
+        assert g["lr"] * g["weight_decay"] == pytest.approx(2e-6 * 2000)  # per step, as airbench94_muon's wd
+    sched = cifar.build_scheduler(opt, ctx.replace(num_training_steps=200))
+    factors = []
+    for _ in range(200):
+        factors.append([g["lr"] / g["initial_lr"] for g in opt.param_groups])
+        opt.step()  # no gradients: nothing moves
+        sched.step()
+    for step in (0, 1, 100, 199):
+        assert factors[step][0] == factors[step][1] == factors[step][3] == pytest.approx(1 - step / 200)
+    assert factors[50][2] == pytest.approx(1 - 50 / 75) and factors[75][2] == factors[150][2] == 0
+    # Under FSDP a rank holds a shard of each filter's update, which Muon orthogonalizes whole: refused in one line
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from accel_trainer import UserError
+
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, device=torch.device("cpu"))
+    with pytest.raises(UserError, match="under FSDP a process holds a shard"):
+        cifar.build_optimizer(net, ctx.replace(accelerator=fsdp))
+
+
+def cifar_ctx(args, targs, batch):
+    from accel_trainer import RecipeContext
+
+    targs.per_device_train_batch_size = batch
+    return RecipeContext(args=args, targs=targs, world_size=1)
 
 
 def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
@@ -297,6 +444,10 @@ def test_presets_fill_unset_knobs_and_split_global_batches(monkeypatch):
     assert targs.num_train_epochs == 9.9
     with pytest.raises(UserError, match="split evenly over 2 processes"):
         resolve_args(cifar, ["--batch_size", "1001"], world_size=2)
+    # A log row is a host read: every 50 updates in the GPU presets, every 10 on the CPU; a flag wins.
+    for argv, every in ((["--preset", "default"], 50), (["--preset", "muon"], 50), (["--preset", "small"], 10),
+                        (["--preset", "muon", "--logging_steps", "3"], 3)):  # fmt: skip
+        assert resolve_args(cifar, argv, world_size=1).targs.logging_steps == every, argv
 
 
 def test_an_empty_share_of_the_last_batch_gives_a_zero_weight_loss_not_nan():
@@ -314,39 +465,88 @@ def test_an_empty_share_of_the_last_batch_gives_a_zero_weight_loss_not_nan():
     assert out["loss"].numel() == 0 and out["n_items"].numel() == 0
 
 
-def test_lookahead_pulls_weights_to_their_average():
+def _train_mode_steps(net, opt, steps, after_step=None):
+    """`steps` train-mode steps of `net` on fixed inputs (the BatchNorm statistics move too), `after_step(n)` after
+    each optimizer step."""
+    for n in range(1, steps + 1):
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(n))  # this step's batch
+        net(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(n)
+
+
+def test_lookahead_follows_airbench94s_schedule():
+    """The recipe's LookaheadSGD against airbench94's own loop around torch's SGD: LookaheadState(net) before
+    training (the average starts from the net as built), every 5 steps from the start `ema.lerp_(net, 1 - decay)`
+    and `net.copy_(ema)` over the floating state-dict entries with decay 0.95**5 * (step / total)**3, and at the
+    last step decay 1.0 (the net set to the average). Bit for bit, 12 steps: pulls at 5 and 10, the last at 12."""
+    import copy
+
     torch.manual_seed(0)
     net = cifar.CifarNet(widths=(4, 8, 8))
-    p = net.head.weight
-    opt = cifar.LookaheadSGD([{"params": [p]}], net, lr=0.1, momentum=0.5, start_frac=0.0, every=2)
-    opt.total_steps = 7
-    g = torch.randn_like(p)
-    plain = cifar.LookaheadSGD(
-        [{"params": [q := p.detach().clone().requires_grad_()]}], net, lr=0.1, momentum=0.5, enabled=False
-    )
-    for step in range(1, 8):
-        p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        plain.step()
-        if step == 2:  # the average starts here, no pull yet
-            torch.testing.assert_close(p, q)
-        if step == 4:  # pulled back: moved less than plain SGD
-            assert (p - q).abs().max() > 1e-4
-            assert ((p - q) * g).sum() > 0  # ...i.e. less far along -g
-    # The last step copies the average into the net: every float tensor of the net equals its average.
-    ema, current = opt._pairs()
-    assert len(ema) == 1 + 2 * 6  # the head weight, BatchNorm running mean and variance of the 6 norms
-    for avg, cur in zip(ema, current):
-        torch.testing.assert_close(avg, cur)
-    assert opt.step_count == 7
+    ref = copy.deepcopy(net)
+    total = 12
+    groups = lambda m: [{"params": [p for p in m.parameters() if p.requires_grad]}]  # noqa: E731
+    opt = cifar.LookaheadSGD(groups(net), net, lr=0.05, momentum=0.8)
+    opt.total_steps = total
+    sgd = torch.optim.SGD(groups(ref), lr=0.05, momentum=0.8, nesterov=True)
+    ema = {k: v.clone() for k, v in ref.state_dict().items()}  # airbench94's LookaheadState(model)
+    alpha = 0.95**5 * (torch.arange(total + 1) / total) ** 3
+
+    def lookahead(decay):
+        for avg, cur in zip(ema.values(), ref.state_dict().values()):
+            if cur.is_floating_point():
+                avg.lerp_(cur, 1 - decay)
+                cur.copy_(avg)
+
+    def airbench(step):
+        if step % 5 == 0:
+            lookahead(alpha[step].item())
+        if step == total:
+            lookahead(1.0)
+
+    _train_mode_steps(ref, sgd, total, airbench)
+    _train_mode_steps(net, opt, total)
+    assert opt.step_count == total
+    for k, v in ref.state_dict().items():
+        assert torch.equal(net.state_dict()[k], v), k
+    # The last step set the net to the average: every float tensor of the net equals its average.
+    averages, current = opt._pairs()
+    assert len(averages) == 2 * 6 + sum(p.requires_grad for p in net.parameters())  # BN statistics, weights
+    for avg, cur in zip(averages, current):
+        assert torch.equal(avg, cur)
+
+
+def test_sgd_is_fused_and_an_update_the_scaler_skips_changes_nothing():
+    """The recipe's SGD is torch's fused one where torch has it (the CPU and CUDA: one kernel for an update's
+    parameters). A fused step can be skipped on the device (GradScaler's found_inf, the Trainer's --nan_policy
+    skip), but the lookahead's count and pull would still run on the host: the optimizer asks to be skipped from
+    the host, so a skipped update changes nothing, the lookahead's count included."""
+    from accel_trainer import RecipeContext, TrainingArguments
+
+    net = cifar.CifarNet(widths=(4, 8, 8))
+    ctx = RecipeContext(args=cifar.Args(), targs=TrainingArguments(per_device_train_batch_size=64), world_size=1)
+    opt = cifar.build_optimizer(net, ctx)
+    assert opt.fused is True  # set in the param groups during a step only: a checkpoint's are the same on any launch
+    assert [g["fused"] for g in opt.param_groups] == [None] * 3
+    opt.total_steps = 1  # the first step would pull
+    before = {k: v.clone() for k, v in net.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu")
+    net(torch.randn(2, 3, 32, 32)).sum().mul(float("inf")).backward()
+    scaler.scale(torch.ones(()))  # the scaler's scale, as a scaled backward makes it
+    scaler.step(opt)  # found the gradients not finite: skipped
+    assert opt.step_count == 0
+    assert all(torch.equal(v, dict(net.named_parameters())[k]) for k, v in before.items())
 
 
 def _lookahead_run(net, steps, total=8, state=None):
-    """LookaheadSGD over all of `net`'s trainable parameters for `steps` train-mode steps on fixed inputs (the
-    average starts at step 2, pulls at 4, 6 and 8), optionally starting from a saved `state` (a callable that
-    loads into the new optimizer). Returns the optimizer."""
+    """LookaheadSGD over all of `net`'s trainable parameters for `steps` train-mode steps on fixed inputs (pulls at
+    2, 4, 6 and 8), optionally starting from a saved `state` (a callable that loads into the new optimizer).
+    Returns the optimizer."""
     params = [p for p in net.parameters() if p.requires_grad]
-    opt = cifar.LookaheadSGD([{"params": params}], net, lr=0.05, momentum=0.8, start_frac=0.25, every=2)
+    opt = cifar.LookaheadSGD([{"params": params}], net, lr=0.05, momentum=0.8, every=2)
     opt.total_steps = total
     if state is not None:
         state(opt)
@@ -374,7 +574,7 @@ def _earlier_format(opt, net) -> dict:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on this one process, no group: intended
 @pytest.mark.parametrize("how", ["torch.save", "dcp", "earlier format"])
 def test_lookahead_state_survives_a_checkpoint(how, tmp_path):
-    """Save after 5 steps (the average started at 2, pulled at 4), load into a new net and optimizer, go on to 8:
+    """Save after 5 steps (pulled at 2 and 4), load into a new net and optimizer, go on to 8:
     bit-identical to 8 steps without a break. torch.save is what Accelerate writes without FSDP; DCP with torch's
     get_/set_optimizer_state_dict is how it saves and loads an FSDP optimizer (and load_resharded on 1 process):
     that kept only "state" and "param_groups" and dropped the lookahead's step count and averages. A checkpoint
@@ -493,6 +693,30 @@ def test_end_to_end_two_processes(tiny, tmp_path):
     assert config["global_train_batch_size"] == 40  # --batch_size is global: 20 per process
 
 
+@pytest.mark.parametrize("preset", ["small", "muon"])
+def test_a_run_resumed_mid_epoch_ends_with_the_uninterrupted_runs_weights(tiny, tmp_path, preset):
+    """Through the Trainer's checkpoints (JSON and safetensors), in fp32: a run resumed from its checkpoint of update
+    3 (mid-epoch: 6 updates an epoch) ends with the uninterrupted run's model.safetensors, byte for byte. It holds
+    what the recipe keeps between updates: the lookahead's count and averages (small: airbench94's SGD), Muon's and
+    SGD's momentum (muon), and the loader's position in an epoch augmented at once."""
+    import shutil
+
+    runs = {k: str(tmp_path / k) for k in ("whole", "resumed")}
+    args = tiny_run_args(tiny, runs["whole"], epochs=2) + ["--preset", preset, "--save_steps", 3]
+    proc = run_recipe(args)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    step_3 = os.path.join("checkpoints", "step_3")
+    shutil.copytree(os.path.join(runs["whole"], step_3), os.path.join(runs["resumed"], step_3))
+    args[args.index("--output_dir") + 1] = runs["resumed"]
+    proc = run_recipe(args + ["--resume_from_checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert f"Resumed from {runs['resumed']}/checkpoints/step_3 at step 3" in proc.stdout + proc.stderr
+    whole, resumed = (open(os.path.join(runs[k], "model.safetensors"), "rb").read() for k in runs)
+    assert whole == resumed
+    config = read_run(runs["whole"])[1]
+    assert config["recipe_args"]["optimizer"] == ("muon" if preset == "muon" else "sgd")
+
+
 def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
     proc = run_recipe(
         [
@@ -608,6 +832,9 @@ def test_cudnn_benchmark_on_a_cuda_gpu(tiny, tmp_path, monkeypatch, device, flag
     from accel_trainer import resolve_args
 
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    # the whitening images stay on the CPU: this machine's torch may have no CUDA
+    on_the_cpu = cifar._whitening_images
+    monkeypatch.setattr(cifar, "_whitening_images", lambda images, device: on_the_cpu(images, "cpu"))
     argv = ["--dataset", tiny["pickle"], "--cache_dir", str(tmp_path), "--widths", "8,8,8"]
     _, args, _ = resolve_args(cifar, argv + (["--cudnn_benchmark", flag] if flag else []))
     accelerator = SimpleNamespace(device=torch.device(device), main_process_first=contextlib.nullcontext)

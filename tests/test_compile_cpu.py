@@ -87,3 +87,74 @@ def test_the_recipe_check_adds_no_graph_to_a_compiled_run(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Recompiling function" not in proc.stderr, proc.stderr[-3000:]
+
+
+# Trainers of one recipe in one process, as a sweep of seeds in a notebook or bench/cifar.py's loop runs them, each
+# 12 updates with the flags a user has by default (clipping at 1.0, a log row every 10 updates), in bf16 autocast
+# (the mixed-precision forward, precision.AutocastForward, runs inside the compiled region). The update is
+# capturable where the shapes are static: the forward is one graph (no break: a break is a host round trip and a
+# graph CUDA graphs cannot record whole), the later updates and the second Trainer compile nothing again (dynamo
+# guards on the modules' structure, not their identity), and torch.compile is called with the mode asked for.
+TRAINERS = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from torch.utils.data import TensorDataset
+from accel_trainer import Recipe, Trainer, TrainingArguments
+
+out, mode, precision, samples, drop_last, trainers = sys.argv[1:]
+modes, compile = [], torch.compile
+def spy(*args, **kwargs):  # what Accelerate's prepare() asks of torch.compile
+    modes.append(kwargs.get("mode"))
+    return compile(*args, **kwargs)
+torch.compile = spy
+
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(int(samples), 8, generator=g), torch.randn(int(samples), 1, generator=g))
+
+def loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x).float(), y), len(y)
+
+recipe = Recipe(name="compiled_mlp", build_data=lambda ctx: {"train": data}, loss=loss,
+                build_model=lambda ctx: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+seen = []
+for seed in range(int(trainers)):
+    args = TrainingArguments(output_dir=f"{out}/{seed}", torch_compile_mode=mode, use_cpu=True, seed=seed,
+                             per_device_train_batch_size=16, max_steps=12, save_steps=0, disable_tqdm=True,
+                             mixed_precision=precision, dataloader_drop_last=drop_last == "drop")
+    Trainer(recipe, args).fit()
+    seen.append({"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())})
+print("COUNTS " + json.dumps({"runs": seen, "modes": modes}))
+"""
+
+
+def trainers(tmp_path, mode: str, precision: str, samples: int, drop_last: bool, n: int) -> tuple[dict, str]:
+    args = [str(tmp_path / mode), mode, precision, str(samples), "drop" if drop_last else "keep", str(n)]
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAINERS, *args],
+        capture_output=True, text=True, env={**env(), "TORCH_LOGS": "recompiles"}, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("COUNTS "))
+    return json.loads(line[len("COUNTS ") :]), proc.stdout + proc.stderr
+
+
+def test_a_second_trainer_of_the_recipe_compiles_nothing_and_the_update_is_one_graph(tmp_path):
+    counts, said = trainers(tmp_path, "max-autotune-no-cudagraphs", "bf16", samples=64, drop_last=True, n=2)
+    first, second = counts["runs"]
+    assert first == second == {"graphs": 1, "breaks": 0}, counts  # one graph in all, compiled once, no break
+    assert "Recompiling function" not in said, said[-3000:]  # TORCH_LOGS=recompiles names every recompile
+    assert counts["modes"] == ["max-autotune-no-cudagraphs"] * 2  # the mode reached torch.compile
+
+
+def test_what_cuda_graphs_cannot_take_is_one_note_line_each(tmp_path):
+    # 70 = 4 x 16 + 6: each epoch ends in a batch of another shape; and this is a CPU, which has no CUDA graphs
+    counts, said = trainers(tmp_path, "reduce-overhead", "no", samples=70, drop_last=False, n=1)
+    notes = [line for line in said.splitlines() if line.startswith("note: --torch_compile_mode")]
+    assert notes == [
+        "note: --torch_compile_mode reduce-overhead records CUDA graphs, which need a CUDA device: on cpu inductor "
+        "compiles as in its default mode, without them.",
+        "note: --torch_compile_mode reduce-overhead: each epoch's last batch holds 6 samples on some rank, another "
+        "shape, which is compiled and recorded anew; --dataloader_drop_last keeps one shape.",
+    ], said[-3000:]
+    assert counts["modes"] == ["reduce-overhead"]

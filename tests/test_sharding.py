@@ -267,8 +267,8 @@ def test_cifar_under_fsdp_resumes_bit_identically_after_sigkill(tmp_path):
     ends with the uninterrupted run's model.safetensors exactly. Two things of its state are not parameters:
     BatchNorm running statistics (buffers: not sharded, one copy per rank, and DCP saves one rank's copy) and the
     lookahead's step count and averages (in the optimizer; an extra key of its state_dict was dropped by DCP).
-    Before the fix the resumed run differed in every tensor that trains. 6 updates: the lookahead starts at
-    update 2 (30%) and pulls at 5 and 6, after the resume."""
+    Before the fix the resumed run differed in every tensor that trains. 6 updates: the lookahead averages from the
+    start and pulls at 5 and 6, after the resume."""
     from cifar_fixtures import make_tiny_cifar
 
     sys.path.insert(0, RECIPES)
@@ -306,8 +306,10 @@ def test_cifar_under_fsdp_resumes_bit_identically_after_sigkill(tmp_path):
     # The last checkpoint on one process (load_resharded, as a 2 FSDP -> 1 resume loads it): the lookahead's count
     # and averages come back from DCP; the last update copied the averages into the net, so they are its weights.
     net = cifar.CifarNet((8, 16, 16))
-    opt = cifar.build_optimizer(net, SimpleNamespace(args=cifar.Args(), targs=SimpleNamespace(weight_decay=0.0),
-                                learning_rate=1.0, global_batch_size=16))  # fmt: skip
+    ctx = SimpleNamespace(args=cifar.Args(), targs=SimpleNamespace(weight_decay=0.0), learning_rate=1.0,
+                          global_batch_size=16, num_training_steps=6)  # fmt: skip
+    opt = cifar.build_optimizer(net, ctx)
+    cifar.build_scheduler(opt, ctx)  # its param groups as the run's (the scheduler's initial_lr): the check wants them
     ckpt_load.load_resharded(os.path.join(out["whole"], "checkpoints", "step_6"), net, opt)
     assert opt.step_count == 6
     ema, current = opt._pairs()
