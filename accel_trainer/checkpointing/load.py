@@ -336,9 +336,14 @@ def load_optimizer(path: str, model, opt, template: dict, step: int, in_shards: 
 
     whole = os.path.join(path, ckpt_state.OPTIMIZER_TENSORS)
     tensors = load_file(whole) if os.path.isfile(whole) else {}
+    live: dict = {}
+    codec.encode(template, live)
+    for name, t in tensors.items():  # in the layout of this run's (its parameter's): a file's tensors are contiguous,
+        held = live.get(name)  # and a fused optimizer reads a channels_last weight's moments as flat memory
+        if torch.is_tensor(held) and not ckpt_state.is_dtensor(held) and held.shape == t.shape:
+            if held.stride() != t.stride():
+                tensors[name] = torch.empty_like(held, dtype=t.dtype, device=t.device).copy_(t)
     if in_shards:
-        live: dict = {}
-        codec.encode(template, live)
         to_load = {n: live[n] for n in in_shards}
         _dcp_load(path, os.path.join(path, ckpt_state.SHARDED_OPTIMIZER), to_load)
         tensors.update(to_load)
