@@ -3,6 +3,7 @@ Accelerate's, tested there; a real 2-process run with a comm hook is in test_par
 
 from datetime import timedelta
 
+import pytest
 from accelerate.utils import DDPCommunicationHookType
 
 from accel_trainer import TrainingArguments
@@ -41,6 +42,7 @@ def test_mixed_precision_unset_follows_the_launcher_and_set_overrides(tmp_path, 
     assert build_accelerator(TrainingArguments(output_dir=str(tmp_path), mixed_precision="no")).mixed_precision == "no"
 
 
+@pytest.mark.slow
 def test_console_script_train(tmp_path):
     import subprocess
     import sys
@@ -153,6 +155,7 @@ def test_compiling_on_a_cpu_turns_inductor_weight_prepacking_off_unless_the_user
     assert inductor_on_cpu(build_accelerator(plain)) == {"cpp.weight_prepack": False}
 
 
+@pytest.mark.slow
 def test_importing_changes_nothing_and_a_run_records_what_it_changed_in_the_process(tmp_path):
     """A launched worker's SIGUSR1 handler is installed by the run's set-up (accel.configure_process), not by
     `import accel_trainer`; run_config.json's "process" lists every process-wide change the run made."""

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tokenize
 
+import pytest
 from helpers import ROOT, env
 
 PACKAGE = os.path.join(ROOT, "accel_trainer")
@@ -191,6 +192,7 @@ print(sorted(n for n in sys.modules if n.startswith(("accel_trainer.cluster", "a
 """
 
 
+@pytest.mark.slow
 def test_importing_the_loop_loads_no_cluster_command_and_no_plotting():
     out = subprocess.run([sys.executable, "-c", LOADED], capture_output=True, text=True, env=env(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

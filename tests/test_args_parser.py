@@ -135,6 +135,7 @@ print("transformers imported by the first update:", seen[0])
 """
 
 
+@pytest.mark.slow
 def test_a_run_without_metrics_reaches_its_first_update_without_importing_transformers(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", FIRST_UPDATE, str(tmp_path / "out")],

@@ -144,6 +144,7 @@ FLAGS = ["--max_steps", "8", "--save_steps", "4", "--logging_steps", "1", "--mas
          "--per_device_train_batch_size", "8", "--disable_tqdm"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_fsdp2_async_checkpoints_hold_the_sync_data_and_resume_bit_identical(tmp_path):
     script = os.path.join(RECIPES, "regression.py")
     out = {n: tmp_path / n for n in ("sync", "async", "resumed")}

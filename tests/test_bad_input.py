@@ -127,6 +127,7 @@ def test_args_file_with_overrides(tmp_path):
     assert targs.mixed_precision is None  # unset: the accelerate config decides
 
 
+@pytest.mark.slow
 def test_help_lists_every_field_with_default():
     proc = run("regression.py", ["--help"], timeout=120)
     from dataclasses import fields
@@ -152,6 +153,7 @@ def test_settings_that_would_be_ignored_on_a_cpu_are_refused(flags, message, cap
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_bf16_comm_hook_on_gloo_is_refused(tmp_path):
     proc = run("regression.py", ["--output_dir", str(tmp_path / "o"), "--max_steps", "2", "--ddp_comm_hook", "bf16"],
                nproc=2, check=False)  # fmt: skip
@@ -166,6 +168,7 @@ def accel_trainer_train(recipe_file, tmp_path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_recipe_without_loss_is_one_line(tmp_path):
     recipe = tmp_path / "half_recipe.py"
     recipe.write_text("def build_model(ctx):\n    return None\n")
@@ -187,6 +190,7 @@ def loss(model, batch):
 """
 
 
+@pytest.mark.slow
 def test_recipe_written_to_the_old_contract_fails_at_load_naming_the_new_one(tmp_path):
     recipe = tmp_path / "old_recipe.py"
     recipe.write_text(OLD_CONTRACT)
@@ -226,6 +230,7 @@ def test_recipe_events_come_from_the_one_declaration():
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 def test_a_metric_that_fails_at_the_final_evaluation_keeps_the_trained_model(tmp_path):
     # Per-token predictions [batch, tokens] with the built-in accuracy: training works, the final evaluation (the
     # only one in a 1-epoch run) fails. The weights and the final checkpoint are saved first; one line says where,
@@ -272,6 +277,7 @@ def loss(model, batch):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, data, message",
     [
@@ -299,6 +305,7 @@ def test_a_newcomers_recipe_mistake_is_one_line_naming_the_fix(model, data, mess
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_samples_of_different_sizes_without_a_collate_are_one_line_naming_the_fix(workers, tmp_path):
     """Token ids of different lengths and no 'collate': torch's default collate said "stack expects each tensor to

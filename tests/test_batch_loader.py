@@ -6,6 +6,8 @@ import os
 import pytest
 from helpers import flags, metrics, run, run_config
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
+
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "batchloader_recipe.py")
 ARGS = flags(max_steps=6, num_eval_samples=37, per_device_eval_batch_size=4, disable_tqdm=True, eval_steps=3)
 

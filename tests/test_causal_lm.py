@@ -124,6 +124,7 @@ def test_missing_inputs_give_a_clear_error(env):
 
 
 # ----------------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_from_scratch_end_to_end(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe(
@@ -169,6 +170,7 @@ def test_from_scratch_end_to_end(env, tmp_path):
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+@pytest.mark.slow
 def test_tied_embeddings_resume_from_own_checkpoint_bit_identical(env, tmp_path):
     # GPT-2 ties lm_head.weight to the input embedding; Accelerate's save stores the shared tensor once. A run
     # stopped after its step-4 checkpoint (the later ones and the final model removed, as a kill leaves it) must
@@ -289,6 +291,7 @@ def parity_runs(env):
     return runs, cache_files
 
 
+@pytest.mark.slow
 def test_world_size_is_two(parity_runs):
     runs, _ = parity_runs
     for name, out in runs.items():
@@ -297,6 +300,7 @@ def test_world_size_is_two(parity_runs):
         assert config["global_train_batch_size"] == 16
 
 
+@pytest.mark.slow
 def test_two_processes_with_accumulation_give_the_one_process_weights(parity_runs):
     runs, _ = parity_runs
     ref, got = load_file(str(runs["1x16x1"] / "model.safetensors")), load_file(str(runs["2x4x2"] / "model.safetensors"))
@@ -309,6 +313,7 @@ def test_two_processes_with_accumulation_give_the_one_process_weights(parity_run
     assert loss["2x4x2"] == pytest.approx(loss["1x16x1"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_on_an_uneven_split_counts_every_line_once(parity_runs, env):
     # 20 validation lines over 2 processes x batch 3: Accelerate repeats lines to even out the ranks
     runs, _ = parity_runs
@@ -321,6 +326,7 @@ def test_eval_on_an_uneven_split_counts_every_line_once(parity_runs, env):
         assert a["eval_perplexity"] == pytest.approx(math.exp(a["eval_loss"]))
 
 
+@pytest.mark.slow
 def test_two_processes_resume_bit_identical_with_token_counts_that_differ_by_rank_and_update(env, tmp_path):
     # Per-line batches: every micro-batch has its own target-token count, so each update's gradient is rescaled
     # after DDP's all-reduce by K x world / N (update.py), K the previous update's tokens per rank. K is saved in
@@ -361,12 +367,14 @@ def test_two_processes_resume_bit_identical_with_token_counts_that_differ_by_ran
     assert (stopped / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_the_other_process_reads_the_main_process_cache(parity_runs):
     # Tokenise once: the 2-process run found the 1-process run's cache (same fingerprints) and wrote nothing new.
     _, cache_files = parity_runs
     assert cache_files["1x16x1"] and cache_files["2x4x2"] == cache_files["1x16x1"]
 
 
+@pytest.mark.slow
 def test_a_hub_id_that_cannot_be_reached_is_a_clear_error(tmp_path):
     # The real Hub code path, offline (HF_HUB_OFFLINE=1, as on CI): one message naming the id and the fix.
     import subprocess

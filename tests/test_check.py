@@ -16,6 +16,7 @@ CHECK = [sys.executable, "-m", "accel_trainer.cli", "check"]
 CONFIGS = os.path.join(ROOT, "accelerate_configs")
 
 
+@pytest.mark.slow
 def test_collective_across_two_cpu_processes():
     cmd = CHECK + ["--config_file", "accelerate_configs/cpu_2proc.yaml", "--main_process_port", str(free_port())]
     proc = call(cmd + ["--timeout", "30"], 150)
@@ -25,6 +26,7 @@ def test_collective_across_two_cpu_processes():
     assert "[FAIL]" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_collective_across_two_machines_on_loopback(tmp_path):
     cfg = two_machine_config(tmp_path, port=free_port())
     procs = [

@@ -111,6 +111,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["optimizer.bin", "random_states_0.pkl", "optimizer/.metadata"])
 def test_a_pickle_in_a_checkpoint_is_refused_unread(trained, tmp_path, victim):
     """A checkpoint holds JSON and safetensors only: a pickle in it, listed in the manifest under a name the older
@@ -316,6 +317,7 @@ def test_tied_tensor_may_be_missing_only_when_tied(tmp_path):
         check_compatible(str(tmp_path), LM(tied=False))
 
 
+@pytest.mark.slow
 def test_compiled_model_with_ema_saves_plain_names(tmp_path):
     # --torch_compile wraps the model (`_orig_mod.`); the EMA copy, model.safetensors and best/model.safetensors
     # must hold the plain model's names, loadable with safetensors.torch.load_model into a freshly built model.
@@ -574,6 +576,7 @@ def test_a_frozen_base_is_not_in_the_checkpoints_and_resumes_bit_identically(tmp
         make(tmp_path / "other", _frozen_base_recipe(base_seed=1), max_steps=16, resume_from_checkpoint=str(folder))
 
 
+@pytest.mark.slow
 def test_a_resume_reads_no_pickle(trained, tmp_path):
     """Nothing in a checkpoint goes through an unpickler: resumed in a process where torch.load, pickle.load and a
     pickle.Unpickler over a file raise (tests/tripwire_recipe.py), the run resumes and trains on. (Until 0.2 the

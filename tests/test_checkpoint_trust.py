@@ -59,6 +59,8 @@ import torch
 from helpers import RECIPES, ROOT, launch_cmd, launcher
 from procs import Launch
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
+
 SCRIPT = os.path.join(RECIPES, "regression.py")
 ARGS = ["--save_steps", "4", "--logging_steps", "1", "--disable_tqdm"]
 PER_DEVICE = {"1": ["--per_device_train_batch_size", "16"], "fsdp": ["--per_device_train_batch_size", "8"]}

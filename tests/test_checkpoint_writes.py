@@ -42,6 +42,7 @@ def immutable():
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_real_permission_error_with_little_free_space_is_not_a_full_disk(tmp_path, little_free_space, immutable):
     folder = tmp_path / "locked"
     folder.mkdir()
@@ -81,6 +82,7 @@ def test_only_a_full_disk_is_called_one(tmp_path, monkeypatch):
         assert not is_disk_full(other, str(tmp_path)), other
 
 
+@pytest.mark.slow
 def test_a_run_whose_model_file_cannot_be_written_says_so_with_little_free_space(tmp_path, immutable):
     # As users run it: the model file's temporary name is locked (EPERM, reported by safetensors without errno)
     # and the disk reports little free space. One line naming the file and the cause, not "the disk is full"; the

@@ -66,6 +66,7 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_a_crafted_pickle_folder_is_refused_without_running_code(tiny, tmp_path):
     # The original CIFAR layout is pickles: a copy from elsewhere must never run code when loaded. A data_batch_1
     # whose array is an object that runs a command, in protocols 2 (the original files') and 5: refused in one
@@ -673,6 +674,7 @@ def assert_trained(out):
     return events, config
 
 
+@pytest.mark.slow
 def test_end_to_end_one_process(tiny, tmp_path):
     out = str(tmp_path / "out1")
     proc = run_recipe(tiny_run_args(tiny, out))
@@ -684,6 +686,7 @@ def test_end_to_end_one_process(tiny, tmp_path):
     assert "whiten.weight" in load_file(os.path.join(out, "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_end_to_end_two_processes(tiny, tmp_path):
     out = str(tmp_path / "out2")
     proc = run_recipe(tiny_run_args(tiny, out), nproc=2, timeout=300)
@@ -693,6 +696,7 @@ def test_end_to_end_two_processes(tiny, tmp_path):
     assert config["global_train_batch_size"] == 40  # --batch_size is global: 20 per process
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["small", "muon"])
 def test_a_run_resumed_mid_epoch_ends_with_the_uninterrupted_runs_weights(tiny, tmp_path, preset):
     """Through the Trainer's checkpoints (JSON and safetensors), in fp32: a run resumed from its checkpoint of update
@@ -717,6 +721,7 @@ def test_a_run_resumed_mid_epoch_ends_with_the_uninterrupted_runs_weights(tiny, 
     assert config["recipe_args"]["optimizer"] == ("muon" if preset == "muon" else "sgd")
 
 
+@pytest.mark.slow
 def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
     proc = run_recipe(
         [
@@ -734,6 +739,7 @@ def test_missing_dataset_exits_nonzero_with_both_ways(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_prints_accuracy_time_and_memory(tiny, tmp_path):
     args = tiny_run_args(tiny, "unused")
     args = args[: args.index("--output_dir")] + args[args.index("--output_dir") + 2 :]  # the bench sets it per seed

@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT, env
+
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
 
 RUN = """
 import json, sys, torch

@@ -47,6 +47,7 @@ def run(tmp_path, **extra_env):
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_a_cpu_run_keeps_freed_memory_and_the_user_can_say_no(tmp_path):
     tuned = run(tmp_path / "tuned")

@@ -30,6 +30,7 @@ def test_every_recipe_module_is_covered():
     assert set(RECIPE_NAMES) == shipped, RECIPE_NAMES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_every_recipe_answers_help_with_every_field_and_its_default(name):
     proc = subprocess.run(
@@ -100,6 +101,7 @@ def resolved(out) -> tuple[dict, dict]:
     return args, cfg["recipe_args"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_command_line_and_python_api_resolve_the_same_arguments(name, data, tmp_path):
     values = user_values(name, data)
@@ -129,6 +131,7 @@ def test_command_line_and_python_api_resolve_the_same_arguments(name, data, tmp_
         assert args["learning_rate"] == 11.5 and args["per_device_train_batch_size"] == 40  # defaults, configure
 
 
+@pytest.mark.slow
 def test_the_readme_notebook_form_is_the_command_line_run(tmp_path):
     # README: Trainer(regression, TrainingArguments(output_dir=..., max_steps=200), regression.Args()). It used to
     # train at TrainingArguments' learning rate (5e-5) instead of the recipe's (1e-2).
@@ -157,6 +160,7 @@ def test_an_unknown_keyword_is_named(tmp_path):
         Trainer.from_recipe(load_recipe_module("regression"), output_dir=str(tmp_path), learning_rat=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [

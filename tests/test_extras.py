@@ -12,6 +12,7 @@ import subprocess
 import sys
 from importlib import metadata
 
+import pytest
 import tomllib
 from helpers import RECIPES, ROOT, env
 
@@ -80,6 +81,7 @@ def assert_one_line_naming(proc: subprocess.CompletedProcess, extra: str):
     assert f"pip install 'accel-trainer[{extra}]'" in err, err
 
 
+@pytest.mark.slow
 def test_report_without_matplotlib_is_one_line_naming_the_report_extra(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -99,6 +101,7 @@ def test_report_without_matplotlib_is_one_line_naming_the_report_extra(tmp_path)
     assert "matplotlib" in proc.stderr and not out.exists()
 
 
+@pytest.mark.slow
 def test_cifar_without_pillow_is_one_line_naming_the_cifar_extra(tmp_path):
     from cifar_fixtures import tiny_arrays, write_hub_layout  # writes PNGs with Pillow, here in the test process
 

@@ -26,6 +26,8 @@ from procs import Launch
 from accel_trainer.cluster.cluster_config import RESTART_SAFE_ENV
 from accel_trainer.faults import EXIT_PREEMPTED
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_recipe.py")
 # 256 samples, batch 16: 16 updates per epoch on 1 process, 8 per rank on 2. Dropout and masked targets make every
 # RNG stream and the item weighting matter.

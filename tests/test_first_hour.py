@@ -54,6 +54,7 @@ def loss(model, batch):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_pil_images_without_a_transform_are_one_line_naming_the_transform(workers, tmp_path):
     """Before: torch's default collate failed in a 63-line traceback ("batch must contain tensors, numpy arrays,
@@ -94,6 +95,7 @@ def loss(model, batch):
 """
 
 
+@pytest.mark.slow
 def test_max_eval_samples_draws_from_the_whole_split_the_same_on_any_world_size(tmp_path):
     """--max_eval_samples took the first N: of a label-sorted split, the first label alone (CIFAR-10's test split:
     all airplanes, accuracy 0.0). It draws N with --seed, the same N on 1 and 2 processes and in every evaluation."""
@@ -196,6 +198,7 @@ def test_load_best_model_at_end_saves_and_evaluates_the_best_evaluations_weights
     assert [r["step"] for r in evals] == [2, 4, 6, 6] and evals[-1]["eval_loss"] == pytest.approx(best["value"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, line",
     [
@@ -240,6 +243,7 @@ def test_in_python_a_transformers_argument_is_one_user_error_naming_the_keyword(
     assert "--" not in str(e.value) and "save_strategy='steps'" in str(e.value), e.value
 
 
+@pytest.mark.slow
 def test_early_stopping_and_the_best_model_at_end_on_two_processes(tmp_path):
     """Both on 2 processes (DDP): every rank stops at the same evaluation and loads the same best weights (a rank
     deciding alone would leave the others waiting in the next collective). With --greater_is_better on eval_loss,
@@ -286,6 +290,7 @@ def loss(model, batch):
 """
 
 
+@pytest.mark.slow
 def test_the_ranks_other_than_the_main_one_are_quiet_but_say_their_errors(tmp_path):
     """Before, every rank printed transformers' load report, the FutureWarnings and datasets' progress bars: on 2
     processes, each twice. As transformers.Trainer quiets its replicas (--log_level_replica), the other ranks now
@@ -330,6 +335,7 @@ def loss(model, batch):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, last",
     [
@@ -399,6 +405,7 @@ def start_and_end(stdout: str) -> tuple[str, str]:
     return start, end
 
 
+@pytest.mark.slow
 def test_a_lora_run_counts_what_trains_and_its_end_line_names_the_adapter_folder_and_how_peft_loads_it(
     tmp_path, monkeypatch
 ):
@@ -438,6 +445,7 @@ def test_a_lora_run_counts_what_trains_and_its_end_line_names_the_adapter_folder
     assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in saved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False], ids=["peft", "transformers"])
 def test_load_best_model_at_end_loads_a_peft_adapter_and_a_transformers_folder(lora, tmp_path):
     """--load_best_model_at_end reads best/ as it was written: a peft model's adapter folder, a transformers

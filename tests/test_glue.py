@@ -136,6 +136,7 @@ def test_missing_or_wrong_inputs_give_a_clear_error(env):
         glue.Args(task_name="imdb")
 
 
+@pytest.mark.slow
 def test_missing_model_path_exits_non_zero_with_the_fix(env, tmp_path):
     proc = run_recipe(
         "glue",
@@ -160,6 +161,7 @@ def glue_flags(env, out, **kw) -> list[str]:
                  learning_rate="3e-3", save_steps=0, disable_tqdm=True, **kw)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_end_to_end_length_grouped(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe(
@@ -203,6 +205,7 @@ def _single_process_metrics(env, weights_path):
     }
 
 
+@pytest.mark.slow
 def test_two_process_eval_on_an_uneven_split_matches_one_process(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe(

@@ -31,6 +31,7 @@ def uninstalled_env(tmp_path) -> dict:
     return e
 
 
+@pytest.mark.slow
 def test_gpu_suite_cpu_mode_reports_every_row(tmp_path, suite):
     # Run as on the GPU machine, with the package not installed: the parent process once imported it (the tiny
     # CIFAR's fixtures in CPU mode, the fp8 row's capability check in GPU mode) and died with a traceback.
@@ -115,6 +116,7 @@ def test_fp8_row_model_has_layers_the_fp8_backends_convert(suite, tmp_path):
     assert converted(cifar.CifarNet((64, 256, 256))) == (0, 0)
 
 
+@pytest.mark.slow
 def test_fp8_row_command_runs(suite, tmp_path):
     # The row's command line, on the CPU in fp32 (fp8 needs a GPU with compute capability >= 8.9): the recipe
     # builds the tiny Llama from its config, trains, and run_config.json has the fp8_layers entry (None here).
@@ -127,6 +129,7 @@ def test_fp8_row_command_runs(suite, tmp_path):
     assert losses
 
 
+@pytest.mark.slow
 def test_torch_compile_compiles_where_flops_are_counted(tmp_path):
     # On every H100/H200 the peak is known, so the first update counts its FLOPs. Under torch.utils.flop_counter's
     # dispatch mode dynamo does not trace, and it marked the model's code as skipped for the rest of the process:
@@ -238,6 +241,7 @@ def test_the_muon_rows_goal_is_2_seconds(suite, tmp_path, monkeypatch, seconds, 
     assert commands[0][commands[0].index("--preset") + 1] == "muon" and "--seeds" in commands[0]
 
 
+@pytest.mark.slow
 def test_compile_row_counts_the_graphs_dynamo_compiled(suite, tmp_path):
     # The compile row runs its command under `bench/gpu.py --count_graphs`, which prints dynamo's counts at the end:
     # a --torch_compile run that compiled nothing (as under the FLOP count) is a failed row, not a slow "ok".
@@ -268,6 +272,7 @@ def test_budget_skips_the_rows_left_and_still_reports(suite, tmp_path, monkeypat
         s.sh("x", [sys.executable, "-c", "pass"])
 
 
+@pytest.mark.slow
 def test_gpu_run_script_dry_run_writes_json_and_logs_into_one_folder(tmp_path):
     # bench/gpu_run.sh --dry-run: the GPU run's steps on a CPU, the package not installed (as on the GPU machine).
     # Reduced further here (1 seed, the cifar row only): the full dry run takes ~3 min on 2 loaded cores.

@@ -44,7 +44,7 @@ from safetensors.torch import load_file, load_model
 
 from accel_trainer.cluster.cluster_config import RESTART_SAFE_ENV
 
-pytestmark = pytest.mark.matrix
+pytestmark = [pytest.mark.matrix, pytest.mark.slow]
 
 FACTORS = {
     "model": ["reg", "gpt2", "bert", "cifar"],

@@ -112,6 +112,7 @@ print("evaluate imported:", "evaluate" in sys.modules)
 """
 
 
+@pytest.mark.slow
 def test_a_run_with_the_builtin_metrics_does_not_import_evaluate(tmp_path):
     # Importing evaluate pulls in transformers.pipelines and datasets: seconds of every run's start-up (the recipe
     # check computes the metrics before the first update), more than the regression recipe's short runs train.

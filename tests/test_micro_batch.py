@@ -20,6 +20,7 @@ def _losses(out) -> list[float]:
         return [row["loss"] for row in map(json.loads, f) if "loss" in row]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_out_of_memory_halves_the_micro_batch_and_gives_the_weights_of_a_run_started_small(tmp_path, nproc):
     # Rank 1 alone runs out on 2 processes: rank 0 must learn it at the update's all-reduce, not hang in DDP's.
@@ -58,6 +59,7 @@ def test_out_of_memory_halves_the_micro_batch_and_gives_the_weights_of_a_run_sta
         torch.testing.assert_close(_losses(big), _losses(small), rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_out_of_memory_already_in_the_first_batch_check_halves_the_micro_batch_too(tmp_path):
     """On an H100 a forward of the first loader batch ran out of memory in the recipe check (no_grad), which ended
     the run with a traceback before --auto_micro_batch could act. The check now shrinks its own slice; the update
@@ -73,6 +75,7 @@ def test_out_of_memory_already_in_the_first_batch_check_halves_the_micro_batch_t
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_one_rank_out_of_memory_in_its_last_micro_batch_redoes_the_update_with_buffers_in_step(tmp_path):
     """Rank 1 of 2 runs out in the window's last micro-batch (the one DDP syncs) of update 1, once; rank 0 had run
     that forward. The model has a buffer, which DDP broadcasts in a window's first forward: the redo must start
@@ -89,6 +92,7 @@ def test_one_rank_out_of_memory_in_its_last_micro_batch_redoes_the_update_with_b
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_halving_keeps_the_halved_size(tmp_path):
     """Killed after update 4 (checkpoint at 3, after the halving at update 1); resumed without the flag, the batch
     of 8 would run out again: the checkpoint's size is used, and the run ends with the uninterrupted one's weights."""
@@ -106,6 +110,7 @@ def test_a_resume_after_a_halving_keeps_the_halved_size(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["oom_above", "forward_oom_above"])  # in the update; already in the first check
 def test_out_of_memory_without_the_flag_is_one_line_naming_the_micro_batch_peak_and_flag(tmp_path, fault):
     r = run(SCRIPT, ["--output_dir", tmp_path / "run", "--faults", f"{fault}=4", *COMMON]
@@ -120,6 +125,7 @@ def test_out_of_memory_without_the_flag_is_one_line_naming_the_micro_batch_peak_
         assert "of which 78.47 GiB is free. Pass --auto_micro_batch" in line, line
 
 
+@pytest.mark.slow
 def test_out_of_memory_at_one_sample_stops_in_one_line(tmp_path):
     r = run(SCRIPT, ["--output_dir", tmp_path / "run", "--faults", "oom_above=0", "--auto_micro_batch", *COMMON]
             + flags(per_device_train_batch_size=2), check=False, timeout=240)  # fmt: skip

@@ -32,6 +32,7 @@ def _bad_sample(nproc: int) -> tuple[int, int, int, int]:
     return order[POSITION], local // ACCUM + 1, local % ACCUM + 1, rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_nan_stop_names_the_bad_sample_and_its_saved_batch_replays_to_nan(tmp_path, nproc):
     sample, update, micro, rank = _bad_sample(nproc)

@@ -10,9 +10,12 @@ import os
 import re
 
 import nbformat
+import pytest
 from harness import USER_UNSET
 from helpers import ROOT, user_env
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
 
 
 def readme_notebook_cells() -> list[str]:

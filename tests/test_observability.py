@@ -33,6 +33,7 @@ def launched(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_every_train_row_has_throughput_time_and_memory(launched, nproc):
     d, _ = launched[nproc]
@@ -48,6 +49,7 @@ def test_every_train_row_has_throughput_time_and_memory(launched, nproc):
         assert m["peak_memory_mb"] > 50  # a Python process with torch loaded: its peak RSS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_lr_scaling_by_the_global_batch_composes_with_warmup(launched, nproc):
     d, _ = launched[nproc]
@@ -67,6 +69,7 @@ def test_sqrt_lr_scaling(tmp_path):
     assert t.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * math.sqrt(32 / 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_profile_traces_every_rank_and_names_collective_time(launched, nproc):
     d, proc = launched[nproc]
@@ -80,6 +83,7 @@ def test_profile_traces_every_rank_and_names_collective_time(launched, nproc):
     assert (collective_ms > 0) == (nproc == 2), summary  # gloo all-reduces on 2 processes, none on 1
 
 
+@pytest.mark.slow
 def test_no_progress_bar_off_a_terminal(launched):
     _, proc = launched[1]
     assert "\r" not in proc.stderr and "it/s" not in proc.stderr  # tqdm frames would flood a log file
@@ -270,6 +274,7 @@ def _tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
     return found
 
 
+@pytest.mark.slow
 def test_report_to_tensorboard_logs_the_loss_there(tmp_path):
     # Read back from the tracker's own files: every logged loss, at its step, is what metrics.jsonl says.
     out = tmp_path / "run"

@@ -45,6 +45,7 @@ def rows(out) -> list[dict]:
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_second_run_on_a_running_folder_is_refused_and_a_killed_one_leaves_no_lock(tmp_path, nproc):
     out = tmp_path / "run"
@@ -104,6 +105,7 @@ def test_a_newer_trainer_in_the_same_process_takes_the_folder_over(tmp_path):
     assert make(tmp_path / "run", max_steps=6, resume_from_checkpoint="latest").fit() is not None
 
 
+@pytest.mark.slow
 def test_fifos_named_like_leftover_folders_are_one_line_not_a_hang(tmp_path):
     out = tmp_path / "run"
     make(out, max_steps=8, save_steps=4).fit()
@@ -132,6 +134,7 @@ def _mount_tmpfs(path, *options):
         pytest.skip("cannot mount a tmpfs here (needs root)")
 
 
+@pytest.mark.slow
 def test_a_read_only_output_folder_is_one_line_new_or_resumed(tmp_path):
     ro = tmp_path / "ro"
     _mount_tmpfs(ro, "ro")

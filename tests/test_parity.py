@@ -52,18 +52,21 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_world_size_is_what_was_launched(runs):
     for name, (d, _) in runs.items():
         assert run_config(d)["num_processes"] == int(name[0])
         assert run_config(d)["global_train_batch_size"] == 16
 
 
+@pytest.mark.slow
 def test_final_weights_equal_across_accumulation_and_world_size(runs):
     ref = weights(runs["1x16x1"][0])
     assert_same_weights(weights(runs["1x8x2"][0]), ref)
     assert_same_weights(weights(runs["2x4x2"][0]), ref)
 
 
+@pytest.mark.slow
 def test_logged_loss_is_the_global_item_weighted_mean(runs):
     ref = [m["loss"] for m in metrics(runs["1x16x1"][0]) if "loss" in m]
     for name in ("1x8x2", "2x4x2"):
@@ -71,6 +74,7 @@ def test_logged_loss_is_the_global_item_weighted_mean(runs):
         assert got == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_scheduler_steps_once_per_update_on_any_world_size(runs):
     def lrs(d):
         return [(m["step"], m["learning_rate"]) for m in metrics(d) if "learning_rate" in m]
@@ -84,6 +88,7 @@ def test_scheduler_steps_once_per_update_on_any_world_size(runs):
     assert [lr for _, lr in got] == pytest.approx([lr for _, lr in ref])
 
 
+@pytest.mark.slow
 def test_eval_counts_every_sample_once(runs):
     # 37 samples over 2 ranks x batch 4: Accelerate pads the last batches with repeats; none may count.
     evals = {name: [m for m in metrics(d) if "eval_loss" in m] for name, (d, _) in runs.items()}
@@ -94,6 +99,7 @@ def test_eval_counts_every_sample_once(runs):
         assert a["eval_mse"] == pytest.approx(b["eval_mse"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_only_the_main_process_prints_and_logs(runs):
     d, proc = runs["2x4x2"]
     steps = [m["step"] for m in metrics(d) if "loss" in m]
@@ -121,6 +127,7 @@ notebook_launcher(train, args=({out!r},), num_processes=2)
 """
 
 
+@pytest.mark.slow
 def test_notebook_launcher_forms_a_world_of_two(tmp_path):
     import subprocess
     import sys
@@ -141,6 +148,7 @@ def test_notebook_launcher_forms_a_world_of_two(tmp_path):
     assert [m["step"] for m in metrics(out) if "loss" in m] == [5, 6]
 
 
+@pytest.mark.slow
 def test_fp16_comm_hook_with_many_items_per_window_stays_finite(tmp_path):
     # --ddp_comm_hook fp16 casts each rank's gradient to fp16 before the all-reduce. With a summed loss (mean x
     # items) that gradient is item-count times too large: 2 x 256 samples x 4 targets = 2048 items per rank and a
@@ -169,6 +177,7 @@ def test_fp16_comm_hook_with_many_items_per_window_stays_finite(tmp_path):
     assert_same_weights(weights(out["fp16"]), weights(out["none"]), rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_eval_loss_of_a_scalar_eval_step_is_exact_on_two_processes(tmp_path):
     # An eval_step returning the batch's mean loss: on 2 processes Accelerate completes the last batches with
     # repeated samples (37 = 4 + 4 + ... + 5 over 2 x 4); their losses must not leak into eval_loss.
@@ -247,6 +256,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_batch_with_a_text_column_trains_and_its_last_batch_is_cut_like_its_tensors(tmp_path):
     """A batch {"text": [strings], "label": tensor} (a datasets column the loss tokenizes itself): the sample count
     is the label's, not Accelerate's find_batch_size's TypeError on the strings, and the last batch of an epoch

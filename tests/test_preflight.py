@@ -11,6 +11,8 @@ import pytest
 import torch
 from helpers import run, weights
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 RECIPE = os.path.join(TESTS, "preflight_recipe.py")
 SHORT = ["--max_steps", "4", "--disable_tqdm", "--logging_steps", "1"]

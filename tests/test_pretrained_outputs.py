@@ -126,6 +126,7 @@ def eval_loss(model, recipe: str, values: dict) -> float:
     return total / n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["ddp", "fsdp"])
 @pytest.mark.parametrize("recipe", list(SPECS))
 def test_two_processes_write_one_folder_that_loads(assets, world, recipe, tmp_path):
@@ -199,6 +200,7 @@ def hub_run(tmp_path, *extra, **extra_env):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_failed_push_is_one_line_and_the_model_stays(tmp_path):
     # The real HfApi against a local port nobody listens on: the connection is refused, nothing leaves the machine.
     out, proc = hub_run(tmp_path, "--push_to_hub", "--hub_model_id", "me/reg",
@@ -213,6 +215,7 @@ def test_a_failed_push_is_one_line_and_the_model_stays(tmp_path):
     assert not os.path.exists(os.path.join(out, "config.json"))
 
 
+@pytest.mark.slow
 def test_push_to_hub_needs_a_repo_and_a_token_before_training(tmp_path):
     out, proc = hub_run(tmp_path, "--push_to_hub", HF_TOKEN="hf_test")
     assert proc.returncode != 0 and "--push_to_hub: needs the repo to upload to: add --hub_model_id" in proc.stderr

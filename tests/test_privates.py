@@ -245,6 +245,7 @@ def run_check(use, accelerator):
         pytest.fail(f"privates.{use}: the private it relies on is gone or changed in this release: {e!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use", USES)
 def test_each_private_use_still_works(use, accelerator):
     run_check(use, accelerator)

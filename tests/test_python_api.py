@@ -67,6 +67,7 @@ def loss(model, batch):
 """
 
 
+@pytest.mark.slow
 def test_build_data_returning_a_dataset_is_one_line_on_both_entry_points(tmp_path):
     recipe = tmp_path / "dataset_recipe.py"
     recipe.write_text(DATASET_RECIPE)
@@ -108,6 +109,7 @@ def start_and_end_lines(stdout: str) -> tuple[str, str]:
     return lines[0], lines[1]
 
 
+@pytest.mark.slow
 def test_a_run_says_what_it_is_at_start_and_where_its_model_is_at_the_end(tmp_path):
     out = tmp_path / "o"
     argv = [os.path.join(RECIPES, "regression.py"), "--output_dir", str(out), "--max_steps", "6", "--save_steps", "3"]
@@ -135,6 +137,7 @@ def test_a_run_says_what_it_is_at_start_and_where_its_model_is_at_the_end(tmp_pa
     assert f"resumed from {out / 'checkpoints' / 'step_6'}" in start and "9 updates" in start
 
 
+@pytest.mark.slow
 def test_build_once_gives_every_rank_and_the_resume_the_same_artifact(tmp_path):
     # 2 processes: the start and end lines of a 2-process run are checked here too (one multi-process test).
     out = tmp_path / "o"
@@ -179,6 +182,7 @@ notebook_launcher(train, num_processes=2, use_port="{port}")
 """
 
 
+@pytest.mark.slow
 def test_notebook_launcher_on_a_cpu_says_cpu_processes_and_warns_nothing(tmp_path):
     # It printed "Launching training on 2 CUDAs." on a machine without a GPU, and each process warned that
     # OMP_NUM_THREADS was unset.

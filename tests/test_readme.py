@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT, env, user_env
 
 README = os.path.join(ROOT, "README.md")
@@ -55,6 +56,7 @@ def test_install_line_is_the_editable_install_with_dev_extras_and_the_cpu_torch_
         )
 
 
+@pytest.mark.slow
 def test_the_test_command_runs_pytest_on_this_suite():
     # .ci/run evaluates the line and appends its own arguments, as here: collecting one file proves it is a pytest
     # command that finds this suite (the whole run is CI's job).
@@ -64,6 +66,7 @@ def test_the_test_command_runs_pytest_on_this_suite():
     assert "test_the_test_command_runs_pytest_on_this_suite" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_example_command_trains_offline_as_written(tmp_path):
     # Run verbatim (its relative paths included) in an empty folder that sees the repository's recipes/.
     os.symlink(os.path.join(ROOT, "recipes"), tmp_path / "recipes")
@@ -80,6 +83,7 @@ def test_the_example_command_trains_offline_as_written(tmp_path):
     assert (out / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_the_readme_recipe_trains_and_its_model_loads_as_the_readme_says(tmp_path):
     (tmp_path / "my_recipe.py").write_text(block("## Write a recipe"))
     # The first of the README's three ways to run it, for a few steps.

@@ -106,6 +106,7 @@ def evaluate(model, recipe: str, values: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------- LoRA
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_lora_output_is_a_peft_adapter_folder_that_peft_loads_as_the_run_ended(runs, assets, world):
     """The output folder is peft's adapter folder with the tokenizer; AutoPeftModelForSequenceClassification (the
@@ -141,6 +142,7 @@ def test_lora_output_is_a_peft_adapter_folder_that_peft_loads_as_the_run_ended(r
         assert torch.equal(auto(**batch).logits, on_base(**batch).logits)
 
 
+@pytest.mark.slow
 def test_lora_on_two_processes_trains_the_one_process_adapter(runs):
     """Same global batch, no dropout: the adapters of 1 and 2 processes agree to float tolerance."""
     one, two = (load_file(runs["lora", w] / "adapter_model.safetensors") for w in (1, 2))
@@ -162,6 +164,7 @@ def test_lora_target_modules_that_match_nothing_are_one_line_naming_the_flag(ass
     assert "key,query,value" in message and message.endswith(") or all-linear."), message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_lora_checkpoints_hold_what_trains_and_the_frozen_bases_fingerprints(runs, assets, world):
     """Each checkpoint's model.safetensors holds exactly the parameters that train (the adapter and the new head),
@@ -206,6 +209,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_lora_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_bytes(runs, assets, tmp_path):
     """SIGKILL (every process of the launch) once the step-4 checkpoint is written, on 1 and 2 processes at once;
     `--resume_from_checkpoint latest` then loads the adapter and its optimizer state from the checkpoint, checks
@@ -255,6 +259,7 @@ def test_lora_killed_after_a_checkpoint_resumes_to_the_uninterrupted_runs_bytes(
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_vision_output_loads_with_from_pretrained_and_the_image_classification_pipeline(runs, assets, world):
     """The output folder is a save_pretrained folder with the image processor the recipe handed over:

@@ -14,6 +14,8 @@ from helpers import ROOT, env, metrics, run, run_config
 
 from accel_trainer.tools import report
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
+
 RUN_ARGS = ["--max_steps", "20", "--logging_steps", "2", "--eval_steps", "5", "--disable_tqdm", "--save_steps", "0"]
 
 

@@ -8,6 +8,8 @@ import os
 import pytest
 from helpers import assert_same_weights, run, run_config, weights
 
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
+
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ids_recipe.py")
 # 256 samples, global batch 16: 16 updates per epoch; step 10 is mid-epoch, 24 crosses into epoch 1.
 COMMON = ["--max_steps", "24", "--save_steps", "5", "--mask_prob", "0.3", "--logging_steps", "4",

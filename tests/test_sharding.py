@@ -128,6 +128,7 @@ def reg(tmp_path_factory):
     return SimpleNamespace(out=out, logs=logs, killed_at=killed_at)
 
 
+@pytest.mark.slow
 def test_each_run_got_the_world_and_type_it_asked_for(reg):
     for name, world, kind in (("fsdp", 2, "FSDP"), ("ddp", 2, "MULTI_CPU"), ("single", 1, "NO"), ("killed", 2, "FSDP"),
                               ("one", 1, "NO")):  # fmt: skip
@@ -144,6 +145,7 @@ def test_each_run_got_the_world_and_type_it_asked_for(reg):
     assert "accel-trainer launch: accelerate launch --config_file" in reg.logs["fsdp"]
 
 
+@pytest.mark.slow
 def test_fsdp_equals_ddp_equals_one_process(reg):
     fsdp, ddp, single = (train_rows(reg.out[n]) for n in ("fsdp", "ddp", "single"))
     assert len(single) == 20 and single[-1]["epoch"] == 2.5  # two epoch boundaries crossed
@@ -160,6 +162,7 @@ def test_fsdp_equals_ddp_equals_one_process(reg):
     assert_same(w["fsdp"], w["single"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sigkill_under_fsdp_then_resume_from_latest_is_bit_identical(reg):
     assert 6 <= reg.killed_at < 8  # killed mid-epoch, after the checkpoint of update 4
     assert f"Resumed from {reg.out['killed']}/checkpoints/step_4 at step 4 (epoch 0, batch 8)." in reg.logs["resumed"]
@@ -167,6 +170,7 @@ def test_sigkill_under_fsdp_then_resume_from_latest_is_bit_identical(reg):
     assert next(final) == next(final)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on this one process, no group: intended
 def test_the_full_model_and_the_sharded_checkpoint(reg):
     fsdp = reg.out["fsdp"]
@@ -201,6 +205,7 @@ def test_the_full_model_and_the_sharded_checkpoint(reg):
         ckpt_load.check_model(last, wider)
 
 
+@pytest.mark.slow
 def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(reg):
     assert "Resumed from" in reg.logs["one"] and "written by 2 processes: batch 8 there" in reg.logs["one"]
     # Exact: the weights and optimizer state loaded (DCP matches tensors by name and offset) and the data position.
@@ -212,6 +217,7 @@ def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(reg):
                 atol=1e-6)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_safety(reg, tmp_path):
     step = os.path.join(reg.out["fsdp"], "checkpoints", "step_8")
     copy = tmp_path / "step_8"
@@ -261,6 +267,7 @@ def rehash(folder):
 
 
 # ------------------------------------------------------------------------------- the CIFAR net: buffers, lookahead
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on this one process, no group: intended
 def test_cifar_under_fsdp_resumes_bit_identically_after_sigkill(tmp_path):
     """The CIFAR recipe in fp32 under FSDP, SIGKILLed after update 3 and resumed from its checkpoint of update 2,
@@ -343,6 +350,7 @@ def lm_args(f, out, *extra) -> list[str]:
             "--seed", "3", "--disable_tqdm", *extra]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_causal_lm_fsdp_equals_one_process(lm_files):
     f = lm_files
     out = {n: f.root / n for n in ("fsdp", "single")}
@@ -384,6 +392,7 @@ def test_causal_lm_fsdp_equals_one_process(lm_files):
     assert not missing and not unexpected and model.lm_head.weight is model.transformer.wte.weight
 
 
+@pytest.mark.slow
 def test_shipped_fsdp_bf16_config_shards_on_cpu_with_fp32_reduction(lm_files, tmp_path):
     with open(os.path.join(ROOT, "accelerate_configs", "gpu_1x8_fsdp_bf16.yaml")) as fh:
         text = fh.read()

@@ -4,7 +4,10 @@ stream must not import `datasets` (0.5-0.9 s) when the recipe never did."""
 import subprocess
 import sys
 
+import pytest
 from helpers import env
+
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
 
 CODE = """
 import sys, torch

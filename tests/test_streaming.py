@@ -92,6 +92,7 @@ def resumed_step(output: str) -> int:
 
 # 2 processes: every 5 updates, with 14 of them: the ranks' epochs end together after 5 and 10 updates with this
 # corpus (streaming.Stream), so the checkpoint resumed from (step 10) is at an epoch's end on both ranks.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc,workers,extra",
     [(1, 0, []), (2, 2, ["--save_steps", "5", "--max_steps", "14"]), (1, 2, ["--save_async"])],
@@ -149,6 +150,7 @@ def _recipe_args(name, tmp):
             valid, "--block_size", "16", "--sample_max_new_tokens", "0", *common]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,nproc", [("regression", 2), ("glue", 1), ("causal_lm", 1)])
 def test_map_style_data_with_two_workers_resumes_exactly(tmp_path, launches, recipe, nproc):
     args = [*_recipe_args(recipe, tmp_path), "--logging_steps", "1", "--disable_tqdm"]
@@ -169,6 +171,7 @@ def test_map_style_data_with_two_workers_resumes_exactly(tmp_path, launches, rec
     assert weights(tmp_path / "run") == weights(tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_a_stream_without_max_steps_is_refused_in_one_line(corpus, tmp_path):
     args = [a for a in STREAM_ARGS if a not in ("--max_steps", str(STEPS))]
     proc = subprocess.run(

@@ -202,6 +202,7 @@ def test_bad_columns_and_unnamed_ids_give_one_clear_error(env, tmp_path):
     assert tc._labels(args(env, dataset_name=None, train_file=str(ids), label_names="O,B-ANI")) == ("O", "B-ANI")
 
 
+@pytest.mark.slow
 def test_bad_flags_exit_with_one_line(env, tmp_path):
     proc = run_recipe(
         "token_classification",
@@ -226,6 +227,7 @@ def run_flags(env, out, **kw) -> list[str]:
                  warmup_steps=0, save_steps=0, disable_tqdm=True, cache_dir=env["cache"], seed=0, **kw)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_one_process_learns_the_entities(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe(
@@ -267,6 +269,7 @@ def _one_process_metrics(env, weights_path) -> dict:
     return results | {"eval_loss": float(out["loss"].sum() / out["n_items"].sum())}
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_on_an_uneven_split(env, tmp_path):
     out = tmp_path / "out"
     proc = run_recipe(

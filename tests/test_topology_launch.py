@@ -91,6 +91,7 @@ def one_process_weights(tmp_path_factory):
 
 # static: one output folder for both machines, as on a cluster's shared file system, with the checkpoint of the
 # last update; c10d: a folder each, as on two machines with disks of their own, without checkpoints.
+@pytest.mark.slow
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_two_machines_on_loopback_train_like_one_process(tmp_path, rdzv, one_process_weights):
     port = free_port()
@@ -115,6 +116,7 @@ def test_two_machines_on_loopback_train_like_one_process(tmp_path, rdzv, one_pro
             "rng_state_0.json", "rng_state_1.json"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_machines_with_a_folder_each_and_checkpoints_are_refused_in_one_line(tmp_path):
     # Each rank writes its part of a checkpoint into output_dir: on a node whose folder the main process does not
     # see, it was lost (format 2: a traceback at the first checkpoint; before: a checkpoint without rank 1's RNG
@@ -160,6 +162,7 @@ FAIL_ONCE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_c10d_with_max_restarts_survives_one_worker_failure(tmp_path):
     script = tmp_path / "fail_once.py"
     script.write_text(FAIL_ONCE)
@@ -192,6 +195,7 @@ def machine_0_alone(cfg, rdzv_conf, output_dir):
     return call(cmd + ["recipes/regression.py", "--output_dir", str(output_dir)], BOUND + 30)
 
 
+@pytest.mark.slow
 def test_missing_peer_static_fails_within_bound_and_says_who(tmp_path):
     port = free_port()
     cfg = two_machine_config(tmp_path, port=port, rdzv="static")
@@ -207,6 +211,7 @@ def test_missing_peer_static_fails_within_bound_and_says_who(tmp_path):
     assert "NCCL_SOCKET_IFNAME" in proc.stderr
 
 
+@pytest.mark.slow
 def test_missing_peer_c10d_fails_within_bound_and_says_what_to_check(tmp_path):
     cfg = two_machine_config(tmp_path, port=free_port(), rdzv="c10d")
     t0 = time.monotonic()
@@ -221,6 +226,7 @@ def test_missing_peer_c10d_fails_within_bound_and_says_what_to_check(tmp_path):
     assert "not all 2 machines joined the c10d rendezvous" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_busy_port_on_machine_0_is_a_clear_error(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -243,6 +249,7 @@ def test_wrapper_refuses_a_config_that_would_run_the_wrong_world(tmp_path, capsy
     assert "launched by accelerate as ONE process" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["cpu_flag", "multi_cpu_config"])
 def test_launch_that_runs_one_process_instead_of_two_is_stopped(tmp_path, how):
     """The silent world-size-1 traps: both start ONE process; the Trainer's check_world must refuse to train."""
@@ -274,6 +281,7 @@ NAIVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_each_process_alone_in_a_world_of_one_is_stopped(tmp_path):
     script = tmp_path / "naive.py"
     script.write_text(NAIVE)
@@ -314,6 +322,7 @@ def test_wrapper_refuses_a_rank_out_of_range_and_an_unresolvable_main_address(tm
 MALFORMED = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: [2\nuse_cpu: true\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["launch", "check"])
 def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path, command):
     """A YAML typo gives one line (file:line:column, what, the fix), a non-zero exit, no parser traceback."""
@@ -333,6 +342,7 @@ def test_malformed_yaml_is_one_line_naming_file_and_line(tmp_path, command):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_preemption_signal_to_the_launcher_alone_reaches_each_worker_once_and_exits_75(tmp_path):
     """SIGUSR1 to `accel-trainer launch` only (what `kill <launcher>` or a batch script forwarding SLURM's
     notice through srun with process-group tracking does): each worker gets exactly one SIGUSR1 (a second would
@@ -382,6 +392,7 @@ def test_preemption_signal_to_the_launcher_alone_reaches_each_worker_once_and_ex
     assert not alive, alive
 
 
+@pytest.mark.slow
 def test_preemption_notice_during_set_up_is_kept_checkpointed_at_the_first_update_and_exits_75(tmp_path):
     """SIGUSR1 while the workers still build their data (a slow tokenisation or load): the launcher ignores SIGUSR1
     in torchrun's agent, and an ignored signal stays ignored across exec into the workers, so the notice used to

@@ -27,6 +27,7 @@ from helpers import ROOT, assert_same_weights, env, last_step, run, run_config, 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason())),
+    pytest.mark.slow,
 ]
 
 CLI = [sys.executable, "-m", "accel_trainer.cli"]

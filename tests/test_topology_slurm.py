@@ -78,6 +78,7 @@ def uninterrupted(cluster, tmp_path_factory):
     return tmp / "run", text, info
 
 
+@pytest.mark.slow
 def test_sbatch_the_generated_script_as_written_trains_a_world_of_2(uninterrupted):
     out, text, info = uninterrupted
     # The node's CPUs are the job's (#SBATCH --exclusive), not one: its workers and their loader workers share them.
@@ -101,6 +102,7 @@ def test_generated_script_carries_what_preemption_needs(tmp_path):
     assert "scontrol requeue" not in text and "#SBATCH --requeue" not in text and "--signal=B:USR1@" in text
 
 
+@pytest.mark.slow
 def test_preempted_job_checkpoints_requeues_itself_and_resumes_bit_identically(cluster, tmp_path, uninterrupted):
     out = tmp_path / "run"
     job, log = submit(cluster, tmp_path, out, faults="step_delay=0.3")
@@ -148,6 +150,7 @@ def two_node_cluster(tmp_path_factory):
         hosts.down()
 
 
+@pytest.mark.slow
 def test_two_nodes_on_a_real_network_train_one_world_and_a_preempted_job_requeues_and_resumes(
     two_node_cluster, tmp_path, uninterrupted
 ):

@@ -9,7 +9,10 @@ import os
 import subprocess
 import time
 
+import pytest
 from helpers import call, launcher
+
+pytestmark = pytest.mark.slow  # every test here starts processes (tests/conftest.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DDP_TIMEOUT = 20  # seconds: a rank left waiting in a collective fails after this

@@ -23,9 +23,10 @@ TWO_PROCESSES = os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml")
 BOUND_S = 300  # a 2-process run here takes ~20 s on a loaded 2-core machine; a hang meets this bound
 
 # More than one core, seen as a user's torch sees them (default threads): the conditions under which it hung.
-pytestmark = pytest.mark.skipif(
-    (os.cpu_count() or 1) < 2, reason="the user's conditions under test need more than one core"
-)
+pytestmark = [
+    pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the user's conditions under test need more than one core"),
+    pytest.mark.slow,
+]
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ hand on torch 2.11): on the oldest the FSDP launch below must be refused, on the
 
 import sys
 
+import pytest
 from helpers import call, launcher, run_config
 
 from accel_trainer import versions
@@ -13,6 +14,7 @@ from accel_trainer import versions
 REG = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--disable_tqdm"]
 
 
+@pytest.mark.slow
 def test_fsdp_runs_or_is_refused_in_one_line_naming_the_releases_it_needs(tmp_path):
     out = tmp_path / "run"
     proc = call(launcher("fsdp") + ["recipes/regression.py", "--output_dir", str(out)] + REG, timeout=300)
@@ -52,6 +54,7 @@ def test_release_reads_local_builds():
     assert versions.release("torch")[:2] == tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
+@pytest.mark.slow
 def test_save_async_runs_or_is_refused_in_one_line_before_training(tmp_path):
     # torch 2.8 (the oldest release .ci/versions runs) has no DefaultStager: before, the first checkpoint crashed
     # with an ImportError traceback after the training before it

@@ -117,6 +117,7 @@ def wizard_at_a_terminal(tmp_path, answers: list[tuple[str, str | None]]):
     return child, matches
 
 
+@pytest.mark.slow
 def test_interactive_through_a_pseudo_terminal(tmp_path):
     answers = [
         ("How many machines", "zero"),  # not a number: asked again
@@ -147,6 +148,7 @@ def test_interactive_through_a_pseudo_terminal(tmp_path):
     assert (tmp_path / "pty.slurm.sh").exists()
 
 
+@pytest.mark.slow
 def test_interactive_on_a_login_node_without_gpus_asks_once_early_and_writes_the_gpu_config(tmp_path):
     """The common case: a cluster's 2 x 8 GPU config written on a login node with no GPU. The wizard asks right
     after "Use GPUs? yes" whether the config is for other machines, then writes it (never throws the answers
@@ -179,6 +181,7 @@ def test_interactive_on_a_login_node_without_gpus_asks_once_early_and_writes_the
     assert "Written for other machines" in out and "confirms 8 visible GPU(s), NCCL and bf16" in out, out
 
 
+@pytest.mark.slow
 def test_interactive_without_gpus_for_this_machine_switches_to_cpu_processes(tmp_path):
     answers = [
         ("How many machines", "1"),
@@ -227,6 +230,7 @@ if [ "$1" = requeue ]; then echo "$*" >> "$SCONTROL_LOG"; else printf 'node-a\\n
 FAKE_LAUNCHER = '#!/bin/bash\necho "LAUNCH $*"\nexit "${FAKE_EXIT:-0}"\n'
 
 
+@pytest.mark.slow
 def test_slurm_script_gives_each_node_its_own_rank(tmp_path):
     slurm = ["--max-restarts", "1", "--slurm", "--script", "recipes/regression.py"]
     two_machine_config(tmp_path, rdzv="c10d", main_ip="unused", name="s", extra=slurm)
@@ -273,6 +277,7 @@ SLURM_NODEID=0 "$@"
 RECORDING_LAUNCHER = '#!/bin/bash\nprintf "%s\\0" "$@" > "$RECORD_DIR/launch.argv"\n'
 
 
+@pytest.mark.slow
 def test_slurm_script_passes_paths_with_spaces_and_quotes_whole(tmp_path):
     # A config folder and a training script whose names hold a space and a single quote: each must reach
     # `accel-trainer launch` as one argument, and the script must stay valid shell (the body of `bash -c '...'`
