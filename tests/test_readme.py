@@ -59,11 +59,14 @@ def test_install_line_is_the_editable_install_with_dev_extras_and_the_cpu_torch_
 @pytest.mark.slow
 def test_the_test_command_runs_pytest_on_this_suite():
     # .ci/run evaluates the line and appends its own arguments, as here: collecting one file proves it is a pytest
-    # command that finds this suite (the whole run is CI's job).
+    # command that finds this suite (the whole run is CI's job), and that it is the fast tier: this file's tests
+    # that run in pytest's process are collected, the ones that start processes (this one) are left to `-m slow`.
     cmd = shlex.split(command("run the tests")) + ["--collect-only", "tests/test_readme.py"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "test_the_test_command_runs_pytest_on_this_suite" in proc.stdout
+    assert "tests/test_readme.py::test_the_readme_is_short" in proc.stdout, proc.stdout[-2000:]
+    assert "test_the_test_command_runs_pytest_on_this_suite" not in proc.stdout, proc.stdout[-2000:]
+    assert "deselected" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.slow
