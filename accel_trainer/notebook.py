@@ -15,8 +15,8 @@ the workers share the kernel's cores, and a forked torch keeps the kernel's thre
 once, when it starts). A runtime that cannot release its pool (no `omp_pause_resource_all`: GCC older than 9) gets
 1 thread per worker, which never enters the pool.
 
-On a machine without a GPU, Accelerate's launcher says "Launching training on 2 CUDAs." (it names CUDA whenever it
-finds no other accelerator) and each process warns that OMP_NUM_THREADS is unset before setting it. There we say
+On a machine without a GPU, Accelerate's launcher says "Launching training on 2 CUDAs." (before 1.16 it names CUDA
+whenever it finds no other accelerator; "2 CPUs." since) and each process warns that OMP_NUM_THREADS is unset before setting it. There we say
 what is launched in one line, with the threads each process runs, and leave out Accelerate's CUDA line.
 """
 
@@ -50,8 +50,9 @@ def notebook_launcher(function, args=(), num_processes: int | None = None, **kwa
         return accelerate_notebook_launcher(function, args=args, num_processes=num_processes, **kwargs)
     threads, why = _threads_per_process(num_processes)  # before anything changes: it refuses a bad OMP_NUM_THREADS
     privates.reset_accelerate_state(partial=True)
-    # No accelerator: CPU processes (get_current_device_type falls back to "cuda" when it finds no other device).
-    cpu = get_current_device_type()[0] == "cuda" and not is_cuda_available()
+    # No accelerator: CPU processes (get_current_device_type says "cpu" there since accelerate 1.16, and "cuda",
+    # its fallback when it finds no other device, before).
+    cpu = get_current_device_type()[0] in ("cpu", "cuda") and not is_cuda_available()
     if cpu:
         print(f"Launching training on {num_processes} CPU processes (no GPU here), OMP_NUM_THREADS={threads} each{why}")
     else:
@@ -59,7 +60,7 @@ def notebook_launcher(function, args=(), num_processes: int | None = None, **kwa
     # A partial, picklable where the launcher spawns; named as `function`, which torch's elastic launch names it by.
     worker = functools.update_wrapper(functools.partial(_worker, function, threads), function)
     # OMP_NUM_THREADS in the workers' environment too: what they start reads it, and Accelerate warns without it.
-    drop = _without_line(re.compile(r"Launching training on \d+ CUDAs\.")) if cpu else contextlib.nullcontext()
+    drop = _without_line(re.compile(r"Launching training on \d+ (CUDA|CPU)s\.")) if cpu else contextlib.nullcontext()
     with patch_environment(OMP_NUM_THREADS=str(threads)), _openmp_released_at_fork(), drop:
         return accelerate_notebook_launcher(worker, args=args, num_processes=num_processes, **kwargs)
 
