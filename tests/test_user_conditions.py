@@ -66,7 +66,8 @@ print("kernel threads", torch.get_num_threads())
 {choose}
 
 def train():
-    print("worker threads", torch.get_num_threads())
+    # One write of one short line: print's separate writes of two workers interleave on one pipe.
+    os.write(1, f"worker threads {{torch.get_num_threads()}}\\n".encode())
     Trainer.from_recipe(regression, output_dir={out!r} + "/two", max_steps=10, hidden_size={wide}, save_steps=0).fit()
 
 notebook_launcher(train, num_processes=2, use_port="{port}")
