@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import ArgumentError
+from .field_types import field_type_problems
 from .trackers import canonical_report_to
 from .transformers_names import unknown_keywords
 
@@ -24,6 +25,17 @@ COMMON_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "po
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
+
+# (lowest allowed, first not allowed or None) of the numbers that have bounds of their own (field_types.py)
+BOUNDS = {
+    **dict.fromkeys(("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "logging_steps", "ddp_timeout", "powersgd_rank"), (1, None)),
+    **dict.fromkeys(("eval_steps", "save_steps", "dataloader_num_workers", "warmup_steps", "learning_rate",
+                     "weight_decay", "adam_epsilon", "max_grad_norm"), (0, None)),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), (0, 1)),
+    "seed": (0, 2**32),  # numpy's and torch's seeds
+}  # fmt: skip
 
 
 @dataclass
@@ -294,6 +306,8 @@ class TrainingArguments:
         def bad(flag, msg):
             raise ArgumentError(f"--{flag}: {msg}")
 
+        for name, problem in field_type_problems(self, BOUNDS):  # a keyword, a file, a record: what argparse checks
+            bad(name, problem)
         self.report_to = canonical_report_to(self.report_to)
         if self.torch_compile_mode is not None:
             if self.torch_compile_mode not in COMPILE_MODES:
@@ -333,19 +347,6 @@ class TrainingArguments:
             names = [s.value for s in SchedulerType]
             if self.lr_scheduler_type not in names:
                 bad("lr_scheduler_type", f"{self.lr_scheduler_type!r} is not one of {', '.join(names)}.")
-        for name in (
-            "per_device_train_batch_size",
-            "per_device_eval_batch_size",
-            "gradient_accumulation_steps",
-            "logging_steps",
-            "ddp_timeout",
-            "powersgd_rank",
-        ):
-            if getattr(self, name) < 1:
-                bad(name, f"must be >= 1, got {getattr(self, name)}.")
-        for name in ("eval_steps", "save_steps", "dataloader_num_workers", "warmup_steps"):
-            if getattr(self, name) < 0:
-                bad(name, f"must be >= 0, got {getattr(self, name)}.")
         if not 0.0 <= self.ema_decay < 1.0:
             bad("ema_decay", f"must be in [0, 1), got {self.ema_decay}.")
         if not 0.0 <= self.warmup_ratio <= 1.0:

@@ -13,6 +13,7 @@ import os
 import torch
 from accelerate.data_loader import DataLoaderShard
 
+from . import safe_read
 from .errors import UserError
 from .micro_batch import first_samples, sample_count
 
@@ -212,8 +213,7 @@ def previous_best(args, output_dir: str) -> dict | None:
     (no metric asked, another metric or direction, best.json missing or unreadable: killed mid-write)."""
     name = args.metric_for_best_model
     try:
-        with open(os.path.join(output_dir, "best", "best.json")) as f:
-            record = json.load(f)
+        record = safe_read.read_json(os.path.join(output_dir, "best", "best.json"), max_bytes=1 << 16)
         key, value, step = record["metric"], float(record["value"]), int(record["step"])
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import json
 import os
 import sys
 import types
@@ -15,6 +14,7 @@ import typing
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
+from . import safe_read
 from .args import ArgumentError, TrainingArguments
 from .transformers_names import transformers_name
 
@@ -43,13 +43,15 @@ class _DefaultsHelpFormatter(argparse.HelpFormatter):
 def _read_args_file(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ArgumentError(f"Arguments file {path} does not exist.")
-    with open(path) as f:
-        if path.endswith(".json"):
-            data = json.load(f)
-        else:
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(f)
+    try:
+        data = safe_read.read_json(path) if path.endswith(".json") else yaml.safe_load(safe_read.read_text(path))
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ArgumentError(
+            f"Arguments file {path} cannot be read ({reason}): give a JSON or YAML file of arguments."
+        ) from None
     if not isinstance(data, dict):
         raise ArgumentError(f"Arguments file {path} must hold a mapping of argument names to values.")
     return data

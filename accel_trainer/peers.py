@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 
-from . import privates
+from . import privates, safe_read
 from .errors import UserError
 from .faults import dead_ranks_phrase, restart_count
 
@@ -230,8 +230,8 @@ class StackDumps:
         text = ""
         while True:
             try:
-                text = open(self.path(rank)).read()
-            except OSError:
+                text = safe_read.read_text(self.path(rank), max_bytes=16 << 20)
+            except (OSError, ValueError):
                 text = ""
             if _DUMP_DONE in text or time.monotonic() > deadline:
                 break
@@ -249,9 +249,7 @@ def _last_collectives(n: int = 5) -> str:
     which accel.flight_recorder sets), newest last: "last collective: #12 gloo:all_reduce (default_pg) ended".
     Read through privates.flight_recorder_json (torch has no public reader); a torch without it gives nothing."""
     try:
-        import json
-
-        entries = json.loads(privates.flight_recorder_json()).get("entries", [])
+        entries = safe_read.loads(privates.flight_recorder_json()).get("entries", [])
     except Exception:  # noqa: BLE001 - best effort
         return ""
     lines = []

@@ -20,6 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from . import safe_read
 from .errors import UserError
 
 
@@ -155,8 +156,11 @@ def adapter_folder(path: str) -> str | None:
 def _how_to_load_adapter(folder: str) -> str:
     """peft's ways to load an adapter folder: its AutoPeftModel class, which reads the base model from
     adapter_config.json's base_model_name_or_path, or PeftModel.from_pretrained on the base model."""
-    with open(os.path.join(folder, "adapter_config.json")) as f:
-        config = json.load(f)
+    try:
+        config = safe_read.read_json(os.path.join(folder, "adapter_config.json"), max_bytes=1 << 20)
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
     cls = PEFT_AUTO_CLASSES.get(config.get("task_type"), "AutoPeftModel")
     on_base = f"peft.PeftModel.from_pretrained(base_model, {folder!r})"
     base = config.get("base_model_name_or_path")
@@ -174,8 +178,10 @@ def how_to_load(path: str) -> str:
         return _how_to_load_adapter(folder)
     config = os.path.join(folder, "config.json")
     if os.path.isfile(config):
-        with open(config) as f:
-            architectures = json.load(f).get("architectures") or []
+        try:
+            architectures = safe_read.read_json(config, max_bytes=1 << 20).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            architectures = []
         cls = f"transformers.{architectures[0]}" if architectures else "transformers.AutoModel"
         return f"{cls}.from_pretrained({folder!r})"
     return (

@@ -23,8 +23,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
-import stat
 
 import numpy as np
 import torch
@@ -41,7 +39,6 @@ _NUMPY_DTYPES = {
     np.dtype(n).name: np.dtype(n) for n in ("float64", "float32", "int64", "int32", "uint32", "uint8", "bool")
 }
 _TAGS = ("@tuple", "@dict", "@tensor", "@ndarray", "@numpy")
-MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON files are kilobytes (an optimizer's param groups: megabytes at most)
 
 
 class EncodeError(UserError):
@@ -201,42 +198,3 @@ def _raw(value: dict, dtypes: dict) -> tuple[bytes, object, list]:
     if len(raw) != math.prod(shape) * itemsize:
         raise DecodeError(f"an inline tensor of shape {shape} and dtype {dtype} with {len(raw)} bytes of data")
     return raw, dtypes[dtype], shape
-
-
-def read_json(file: str, max_bytes: int = MAX_JSON_BYTES):
-    """A JSON file as Python objects, refusing what Python's json would take silently or fail on in a traceback:
-    not a regular file (a FIFO would block, a device never end; links are not followed), larger than `max_bytes`,
-    a key repeated in an object (json keeps the last one), nesting deep enough to exhaust the parser's recursion.
-    Raises ValueError (OSError for a file that cannot be opened) with a short reason."""
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        if info.st_size > max_bytes:
-            raise ValueError(f"{info.st_size} bytes, more than the {max_bytes} a checkpoint's JSON file holds")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(max_bytes + 1)
-    finally:
-        os.close(fd)
-    return loads(raw)
-
-
-def loads(raw: bytes | str):
-    """JSON text as Python objects, strictly (read_json's rules): every JSON a checkpoint holds goes through here,
-    the safetensors headers' DCP offsets included. ValueError with a short reason."""
-    try:
-        return json.loads(raw, object_pairs_hook=_no_repeated_keys)
-    except RecursionError:
-        raise ValueError("JSON nested too deep to parse") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 text ({e.reason})") from None
-
-
-def _no_repeated_keys(pairs: list) -> dict:
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the key {k[:80]!r} appears twice in one object")
-        out[k] = v
-    return out

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import time
 
 from ..errors import OneLineError, UserError
@@ -398,8 +399,10 @@ def set_aside_newer(output_dir: str, step: int) -> tuple[list[str], str | None]:
     newer = [p for p in list_checkpoints(output_dir) if int(os.path.basename(p).split("_")[1]) > step]
     if not newer:
         return [], None
-    aside = os.path.join(checkpoints_root(output_dir), f"superseded-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(aside, exist_ok=True)
+    # A folder made here and now (mkdtemp: a new name, created atomically, mode 0700 then the umask's): a name
+    # that is already there -- a link to elsewhere, someone's folder, a FIFO -- is never moved into.
+    aside = tempfile.mkdtemp(prefix=f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-", dir=checkpoints_root(output_dir))
+    os.chmod(aside, 0o777 & ~_umask())
     for path in newer:
         _move_folder(path, os.path.join(aside, os.path.basename(path)))
     fsync_path(checkpoints_root(output_dir))

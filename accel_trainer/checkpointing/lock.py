@@ -28,6 +28,7 @@ import stat
 import sys
 import time
 
+from .. import safe_read
 from ..errors import OneLineError, UserError
 
 LOCK_FILE = ".accel-trainer.lock"
@@ -100,6 +101,11 @@ def acquire(output_dir: str, say=None) -> OutputLock:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as e:  # a read-only folder or mount, a folder of another user, a link
+        if e.errno == errno.ELOOP:
+            raise OutputDirInUse(
+                f"{path} is a symbolic link: the run keeps its lock there, in a file of its own. Remove the link, "
+                "then run again."
+            ) from None
         raise OutputDirInUse(
             f"output_dir {output_dir} is not writable ({e.strerror}: {path}): the run writes its checkpoints and "
             "model there. Make it writable, or give another --output_dir."
@@ -170,8 +176,7 @@ def check_shared(accelerator, output_dir: str, lock: OutputLock | None, checkpoi
     token = [lock.token if accelerator.is_main_process and lock is not None else None]
     broadcast_object_list(token, from_process=0)
     try:
-        with open(os.path.join(output_dir, LOCK_FILE)) as f:
-            seen = json.loads(f.read(4096)).get("token")  # the holder's record is short
+        seen = safe_read.read_json(os.path.join(output_dir, LOCK_FILE), max_bytes=4096).get("token")  # short
     except (OSError, ValueError, AttributeError):
         seen = None
     mine = None if token[0] is None or seen == token[0] else (accelerator.process_index, socket.gethostname())
@@ -217,7 +222,7 @@ def check_own_entries(output_dir: str):
 def _holder(fd: int) -> str:
     """Who holds the lock, as its holder wrote it; 'unknown' when the record cannot be read."""
     try:
-        record = json.loads(os.pread(fd, 4096, 0) or b"null")
+        record = safe_read.loads(os.pread(fd, 4096, 0) or b"null")  # another's record: strictly, bounded
         where = f"process {record['pid']} on {record['host']}, started {record['started']}"
         if record["pid"] == os.getppid() and record["host"] == socket.gethostname():
             where += (" -- this process's parent, e.g. a notebook kernel holding a Trainer whose fit() has not "

@@ -57,6 +57,7 @@ def prepare_output_dir(
     elsewhere = spec and not spec.startswith(("latest", "auto")) and os.path.isdir(spec)
     if elsewhere and not _within(spec, ckpt_folder.checkpoints_root(args.output_dir)):
         _refuse_overlap(spec, args.output_dir)  # before the lock file is written into output_dir (the checkpoint)
+    _refuse_inside_a_run(args.output_dir)  # before the lock file too: a checkpoint it would land in stays as it was
     lock = ckpt_resume.on_main(accelerator, lambda: ckpt_lock.acquire(args.output_dir, say), "output_dir", share=False)
     try:
         ckpt_lock.check_shared(accelerator, args.output_dir, lock, args.checkpoints)
@@ -116,6 +117,33 @@ def _within(path: str, root: str) -> bool:
     """`path` is `root` or under it, links resolved."""
     path, root = os.path.realpath(path), os.path.realpath(root)
     return path == root or path.startswith(root + os.sep)
+
+
+RUN_MARKS = (ckpt_lock.LOCK_FILE, "run_config.json")  # a folder that holds a run (or held one)
+CHECKPOINT_MARKS = ("manifest.json", "trainer_state.json")  # a checkpoint folder, ours or a forged one
+
+
+def _refuse_inside_a_run(out: str) -> None:
+    """output_dir is a folder of its own: never a checkpoint, never inside another run's checkpoints/ or best/.
+    Whatever the flags (--overwrite_output_dir too): a run there wrote its model over a checkpoint's and its lock
+    into it, or set aside the checkpoints of a run still writing them (its lock is on the folder above)."""
+    real = os.path.realpath(out)
+    if any(os.path.lexists(os.path.join(real, f)) for f in CHECKPOINT_MARKS):
+        raise UserError(
+            f"--output_dir {out} is a checkpoint folder (it holds {' or '.join(CHECKPOINT_MARKS)}): the run would "
+            "write its model and logs over the checkpoint's files. Give an output_dir of its own (to continue from "
+            f"the checkpoint: --resume_from_checkpoint {out} --output_dir <new folder>)."
+        )
+    child, parent = real, os.path.dirname(real)
+    while parent != child:
+        owned = os.path.basename(child) in ("checkpoints", "best")
+        if owned and any(os.path.lexists(os.path.join(parent, f)) for f in RUN_MARKS):
+            raise UserError(
+                f"--output_dir {out} lies in {child}, the {os.path.basename(child)}/ folder of the run in {parent}: "
+                "the run would write over that run's files and its checkpoints would be moved or deleted there. "
+                "Give an output_dir outside it."
+            )
+        child, parent = parent, os.path.dirname(parent)
 
 
 def _refuse_overlap(checkpoint: str, out: str) -> None:

@@ -22,8 +22,9 @@ from __future__ import annotations
 import os
 import re
 
-from .. import faults
+from .. import faults, safe_read
 from ..errors import ArgumentError
+from ..field_types import value_problem
 from . import codec
 from .folder import list_checkpoints
 from .state import RECORD_FILE
@@ -56,12 +57,24 @@ def of(targs, rargs, world_size: int) -> dict:
 def read(path: str) -> dict | None:
     """The record in checkpoint `path`, or None when it has none that reads (verify.py names what is wrong)."""
     try:
-        doc = codec.read_json(os.path.join(path, RECORD_FILE))
+        doc = safe_read.read_json(os.path.join(path, RECORD_FILE))
         state = codec.decode(doc["state"])
     except (OSError, ValueError, TypeError, KeyError, RecursionError, codec.DecodeError):
         return None
     ok = isinstance(state, dict) and all(isinstance(state.get(k), dict) for k in ("training", "recipe"))
-    return state if ok else None
+    return state if ok and problem(state) is None else None
+
+
+def problem(record: dict) -> str | None:
+    """What makes a record's training arguments no values a run could have had (a number of the wrong type, out of
+    its range: 16.0 as a batch size, "0.01" as a learning rate), or None. A checkpoint whose record has one is
+    refused (verify.py) and never read for arguments (a `latest` that skipped it took its values all the same)."""
+    from ..args import BOUNDS, TrainingArguments
+
+    for name, value in record["training"].items():
+        if name not in INVOCATION and (wrong := value_problem(TrainingArguments, name, value, BOUNDS)):
+            return f"'{name}' holds {wrong}"
+    return None
 
 
 def find(spec: str | None, output_dir: str) -> tuple[str, dict] | None:
@@ -106,6 +119,11 @@ def apply(targs, rargs, given: frozenset, found: tuple[str, dict], world_size: i
     for name, value in record["recipe"].items():
         if rargs is None or not hasattr(rargs, name):
             continue
+        if wrong := value_problem(type(rargs), name, value):
+            raise ArgumentError(
+                f"{where}: the recipe argument '{name}' holds {wrong}: not a value the run could have had (an edited "
+                f"or damaged record). Resume from another checkpoint."
+            )
         if name not in given:
             setattr(rargs, name, value)
         elif getattr(rargs, name) != value:

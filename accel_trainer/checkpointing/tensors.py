@@ -12,8 +12,8 @@ import re
 
 import torch
 
+from .. import safe_read
 from ..errors import why
-from . import codec
 from .folder import CheckpointError
 
 # safetensors' dtype codes, as torch names them
@@ -96,7 +96,7 @@ def sharded_tensors(
                 ".safetensors): a shard of another checkpoint. Resume from another checkpoint."
             )
         try:
-            info = codec.loads(metadata.get("DCP_SHARDING_INFO", "null"))
+            info = safe_read.loads(metadata.get("DCP_SHARDING_INFO", "null"))
             offsets = {k: info[k]["saved_offsets"] for k in found}
         except (ValueError, TypeError, KeyError):
             raise CheckpointError(

@@ -1,6 +1,6 @@
 """Loading checkpoints you did not write: verify_checkpoint checks a folder before anything in it is loaded.
 
-A checkpoint holds JSON and safetensors only (state.py), read by Python's json (strict: checkpoint.codec.read_json)
+A checkpoint holds JSON and safetensors only (state.py), read by Python's json (strict: safe_read.read_json)
 and by safetensors: neither can run code, whatever the bytes. What is checked, on the main process, before a
 resume loads anything (a failure is one line naming the file, and `latest` falls back to the checkpoint before):
 
@@ -28,6 +28,7 @@ import os
 import re
 import stat
 
+from .. import safe_read
 from ..errors import one_line, why
 from . import codec
 from . import state as ckpt_state
@@ -56,9 +57,9 @@ _MANIFEST_KEYS = {"step": "global_step", "epoch": "epoch", "batch_in_epoch": "ba
                   "num_processes": "num_processes"}  # fmt: skip
 
 
-def read_json_file(path: str, file: str, max_bytes: int = codec.MAX_JSON_BYTES):
+def read_json_file(path: str, file: str, max_bytes: int = safe_read.MAX_JSON_BYTES):
     try:
-        return codec.read_json(file, max_bytes)
+        return safe_read.read_json(file, max_bytes)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"Checkpoint {path}: {file} is unreadable ({why(e)}).") from None
 
@@ -176,6 +177,12 @@ def verify_checkpoint(path: str, log=None) -> dict:
             raise CheckpointError(
                 f"Checkpoint {path}: {file} is truncated or altered: {size} bytes, {meta['size']} expected."
             )
+        if not _read_by_us(rel):  # hashing it would prove nothing a resume uses, and could read without end
+            if log is not None:
+                log(one_line(f"warning: checkpoint {path}: {file} is listed in {MANIFEST_FILE} but nothing reads "
+                             "it; ignored."))  # fmt: skip
+            continue
+        _check_size_of_its_format(path, rel, file, size)  # before the hash reads it all
         try:
             digest = hash_file(file, fsync=False)[1]
         except OSError as e:
@@ -187,6 +194,24 @@ def verify_checkpoint(path: str, log=None) -> dict:
     tensors = check_tensor_files(path, manifest, state["global_step"], state["num_processes"])
     check_json_files(path, manifest, state, tensors)
     return state
+
+
+def _check_size_of_its_format(path: str, rel: str, file: str, size: int) -> None:
+    """A file's size against what its own format declares, read from its first bytes: a sparse file of terabytes
+    listed with its true size would otherwise be hashed to its end (a resume that never ends, printing nothing)."""
+    if rel.endswith(".json") and size > safe_read.MAX_JSON_BYTES:
+        raise CheckpointError(
+            f"Checkpoint {path}: {file} is {size} bytes, more than the {safe_read.MAX_JSON_BYTES} a checkpoint's JSON "
+            "file holds; refused."
+        )
+    if rel.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:  # safetensors checks that the header's offsets end where the file ends, reading the header only
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - any failure means the file cannot be restored
+            raise CheckpointError(f"Checkpoint {path}: {file} is not a readable safetensors file ({why(e)}).") from None
 
 
 def check_state(path: str, manifest: dict | None = None) -> dict:
@@ -268,7 +293,7 @@ def trained_names(path: str, manifest: dict) -> set:
     """The model's tensors that train: the parameters the optimizer's param groups name (optimizer.json, read as
     JSON only: the names are in it as written)."""
     try:
-        doc = codec.read_json(os.path.join(path, ckpt_state.OPTIMIZER_FILE))
+        doc = safe_read.read_json(os.path.join(path, ckpt_state.OPTIMIZER_FILE))
         groups = doc["state"]["param_groups"]
         return {p for g in groups for p in g["params"] if isinstance(p, str)}
     except (OSError, ValueError, TypeError, KeyError):
@@ -309,6 +334,15 @@ def check_json_files(path: str, manifest: dict, state: dict, tensors: dict):
                 f"Checkpoint {path}: {file} does not use the tensors {sorted(set(names) - used)[:3]} of its files: "
                 "they do not belong together."
             )
+        if rel == ckpt_state.RECORD_FILE:
+            from . import record
+
+            ok = isinstance(value, dict) and all(isinstance(value.get(k), dict) for k in ("training", "recipe"))
+            if wrong := ("not the run's arguments" if not ok else record.problem(value)):
+                raise CheckpointError(
+                    f"Checkpoint {path}: {file}: {wrong}, not a value the run could have had (an edited or damaged "
+                    "record). Resume from another checkpoint."
+                )
         if RNG_FILE.match(rel):
             try:
                 ckpt_state.check_rng_states(value)

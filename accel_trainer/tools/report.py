@@ -18,10 +18,10 @@ matplotlib (the [report] extra: `pip install 'accel-trainer[report]'`) is import
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
+from .. import safe_read
 from ..errors import UserError, need
 
 # Bookkeeping, not curves: the axes themselves, and eval_samples (the size of the eval split, a constant).
@@ -68,12 +68,15 @@ def read_metrics(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ReportError(f"{path} does not exist: {run_dir} is not a run's output_dir, or the run has not logged yet.")
-    with open(path) as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    try:
+        text = safe_read.read_text(path, max_bytes=4 << 30)
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{path} cannot be read ({e}): it is not a run's metrics file.") from None
+    lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     rows = []
     for i, line in lines:
         try:
-            row = json.loads(line)
+            row = safe_read.loads(line)
             if not isinstance(row, dict) or "step" not in row:
                 raise ValueError("not an object with a 'step'")
         except ValueError as e:

@@ -1,0 +1,215 @@
+"""The mechanisms that close issue 39's classes, each tried in-process with inputs crafted by hand (not by the
+checkpoint writer's functions): one safe reader for every file someone else could have written; an output folder
+that is never inside another run; a superseded folder never moved into an existing name; a checkpoint's listed
+files checked by their own format's size before they are hashed; a checkpoint's record of the run's arguments
+never read when its values are no run's; every argument of the wrong type or range one line.
+The same classes launched as real runs, 1 process and FSDP, are the catalogue in test_checkpoint_trust.py."""
+
+import fcntl
+import json
+import os
+import sys
+import time
+
+import pytest
+from helpers import RECIPES
+
+sys.path.insert(0, RECIPES)
+import regression  # noqa: E402
+
+from accel_trainer import Trainer, TrainingArguments, safe_read  # noqa: E402
+from accel_trainer.checkpointing import folder as ckpt_folder  # noqa: E402
+from accel_trainer.checkpointing.folder import CheckpointError  # noqa: E402
+from accel_trainer.checkpointing.verify import verify_checkpoint  # noqa: E402
+from accel_trainer.errors import UserError  # noqa: E402
+
+
+def make(out, **kw):
+    kw.setdefault("learning_rate", 1e-2)
+    kw.setdefault("per_device_train_batch_size", 16)
+    kw.setdefault("disable_tqdm", True)
+    return Trainer(regression, TrainingArguments(output_dir=str(out), **kw), regression.Args(), quiet=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished run with checkpoints at steps 4, 8 and 12."""
+    out = tmp_path_factory.mktemp("trust") / "run"
+    make(out, max_steps=12, save_steps=4).fit()
+    return out
+
+
+def copy_run(trained, dst):
+    import shutil
+
+    shutil.copytree(trained, dst)
+    return dst
+
+
+def manifest_edit(folder, change):
+    """The manifest rewritten by hand (json, not the writer's write_manifest)."""
+    path = folder / "manifest.json"
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+def sha256(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ the one safe reader
+def text(content):
+    return lambda p: p.write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+def sparse(size):
+    return lambda p: (p.write_bytes(b""), os.truncate(p, size))
+
+
+@pytest.mark.parametrize(
+    "make_it, reason",
+    [
+        (os.mkfifo, "not a regular file"),  # open() of a FIFO blocks until a writer comes
+        (lambda p: os.symlink("/dev/zero", p), "Too many levels of symbolic links"),  # a device never ends
+        (lambda p: os.symlink("/etc/hostname", p), "Too many levels of symbolic links"),
+        (sparse(1 << 40), "more than the"),  # a sparse terabyte
+        (text('{"a": 1, "a": 2}'), "appears twice"),
+        (text("[" * 100_000 + "]" * 100_000), "nested too deep"),
+        (text(b"\xff\xfe{}"), "not UTF-8|Expecting value|unexpected"),
+        (text('{"a": 1}'), None),
+    ],
+)
+def test_the_safe_reader_refuses_what_would_block_read_without_end_or_mislead(tmp_path, make_it, reason):
+    path = tmp_path / "f.json"
+    make_it(path)
+    started = time.monotonic()
+    if reason is None:
+        assert safe_read.read_json(str(path)) == {"a": 1}
+    else:
+        with pytest.raises((OSError, ValueError), match=reason):
+            safe_read.read_json(str(path))
+    assert time.monotonic() - started < 30  # bounded (a blocking open or a read to the end never returns)
+
+
+# ------------------------------------------------------------------------------------ an output folder of its own
+@pytest.mark.parametrize("where", ["checkpoints/step_8", "checkpoints/new", "checkpoints/step_8/model", "best/x"])
+def test_an_output_dir_inside_a_run_or_a_checkpoint_is_refused_and_nothing_is_written(trained, tmp_path, where):
+    """A second run pointed into a run's checkpoints/ (or best/) wrote its lock and model into a checkpoint, and set
+    aside checkpoints of a run still writing them (its lock is on the folder above, so no lock refused it)."""
+    out = copy_run(trained, tmp_path / "run")
+    (out / "best").mkdir(exist_ok=True)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    with pytest.raises(UserError, match=r"output_dir\W.* (is a checkpoint folder|lies in .*(checkpoints|best)/)"):
+        make(out / where, max_steps=4, overwrite_output_dir=True)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_a_lock_file_that_is_a_link_or_holds_a_crafted_record_is_one_line(trained, tmp_path):
+    out = copy_run(trained, tmp_path / "run")
+    os.remove(out / ".accel-trainer.lock")
+    os.symlink(tmp_path / "elsewhere", out / ".accel-trainer.lock")
+    with pytest.raises(UserError, match=r"\.accel-trainer\.lock is a symbolic link.*Remove the link"):
+        make(out, max_steps=16, resume_from_checkpoint="latest")
+    os.remove(out / ".accel-trainer.lock")
+    # held by a run whose record is no record (nested past the parser's recursion): "in use", not a RecursionError
+    fd = os.open(out / ".accel-trainer.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"[" * 4000)
+        with pytest.raises(UserError, match=r"is in use by another run"):
+            make(out, max_steps=16, resume_from_checkpoint="latest")
+    finally:
+        os.close(fd)
+
+
+def test_newer_checkpoints_are_never_moved_into_a_name_that_is_already_there(trained, tmp_path, monkeypatch):
+    """The superseded folder was made with exist_ok=True under a name of the second: a link planted under the next
+    second's name took the run's checkpoints out of the output folder (a FIFO there: [Errno 17])."""
+    out = copy_run(trained, tmp_path / "run")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.setattr(ckpt_folder.time, "strftime", lambda fmt, *a: "20261205-120000")
+    os.symlink(outside, out / "checkpoints" / "superseded-20261205-120000")
+    os.mkfifo(out / "checkpoints" / "superseded-20261205-120000-")
+    make(out, max_steps=4, resume_from_checkpoint=str(out / "checkpoints" / "step_4"))
+    assert os.listdir(outside) == []
+    aside = [p for p in (out / "checkpoints").iterdir() if p.is_dir() and not p.is_symlink() and "superseded" in p.name]
+    assert len(aside) == 1 and sorted(os.listdir(aside[0])) == ["step_12", "step_8"]
+    assert oct(aside[0].stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ---------------------------------------------------------------------------- listed files, read by their format
+def test_a_listed_file_nothing_reads_is_not_hashed(trained, tmp_path):
+    """A manifest may list a sparse file of a terabyte with its true size: hashing it never ended (nothing printed)."""
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_12"
+    with open(folder / "notes.dat", "wb") as f:
+        f.truncate(1 << 40)
+    manifest_edit(folder, lambda m: m["files"].update({"notes.dat": {"size": 1 << 40, "sha256": "0" * 64}}))
+    said = []
+    started = time.monotonic()
+    verify_checkpoint(str(folder), log=said.append)
+    assert time.monotonic() - started < 60
+    assert any("notes.dat is listed in manifest.json but nothing reads it; ignored" in s for s in said), said
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "trainer_state.json"])
+def test_a_listed_file_larger_than_its_format_says_is_refused_before_it_is_hashed(trained, tmp_path, victim):
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_12"
+    with open(folder / victim, "r+b") as f:
+        f.truncate(1 << 36)  # 64 GiB, sparse: its hash would read them all
+    manifest_edit(folder, lambda m: m["files"][victim].update(size=1 << 36))
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"{victim} is (not a readable safetensors file|\d+ bytes, more than)"):
+        verify_checkpoint(str(folder))
+    assert time.monotonic() - started < 60
+
+
+# ---------------------------------------------------------------------- the run's record, and the arguments' types
+def test_a_record_of_values_no_run_has_is_refused_and_latest_takes_nothing_from_it(trained, tmp_path):
+    """`latest` skipped a checkpoint whose run_args.json held a batch size of 16.0, then took the run's arguments from
+    it all the same (a traceback deep in the loader); by folder it resumed with them."""
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_12"
+    record = json.loads((folder / "run_args.json").read_text())
+    training = record["state"]["training"] if "training" in record.get("state", {}) else None
+    assert training is not None, record
+    training["per_device_train_batch_size"] = 16.0
+    (folder / "run_args.json").write_text(json.dumps(record))
+    manifest_edit(folder, lambda m: m["files"]["run_args.json"].update(
+        size=(folder / "run_args.json").stat().st_size, sha256=sha256(folder / "run_args.json")))  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"run_args.json: 'per_device_train_batch_size' holds 16.0"):
+        make(out, max_steps=16, resume_from_checkpoint=str(folder))
+    resumed = Trainer(regression, TrainingArguments(output_dir=str(out), resume_from_checkpoint="latest",
+                                                    disable_tqdm=True, max_steps=12), quiet=True)  # fmt: skip
+    assert resumed.global_step == 8
+    assert type(resumed.args.per_device_train_batch_size) is int
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("per_device_train_batch_size", 16.0),
+        ("per_device_train_batch_size", True),
+        ("max_steps", "12"),
+        ("max_grad_norm", float("nan")),
+        ("learning_rate", float("inf")),
+        ("learning_rate", -1.0),
+        ("seed", 2**32),
+        ("adam_beta1", 1.0),
+        ("lr_scheduler_type", "bogus"),
+    ],
+)
+def test_a_keyword_of_the_wrong_type_or_range_is_one_line_naming_it(tmp_path, field, value):
+    with pytest.raises(UserError, match=rf"{field}"):
+        TrainingArguments(output_dir=str(tmp_path), **{field: value})
