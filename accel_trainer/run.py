@@ -32,6 +32,7 @@ def _run(recipe, argv):
         return Trainer(args.recipe, args).fit()
     except USER_ERRORS as e:
         _error_line(e)
+        _leave_the_world()
         sys.exit(1)
     except OSError as e:  # a full disk outside a checkpoint or model write (run_config.json, a log row): one line
         if e.errno not in (errno.ENOSPC, errno.EDQUOT) or output_dir is None:
@@ -43,7 +44,27 @@ def _run(recipe, argv):
                 raise e
         except DiskFullError as full:
             _error_line(full)
+            _leave_the_world()
             sys.exit(1)
+
+
+def _leave_the_world(bound_s: float = 10.0) -> None:
+    """A rank that stops on an error leaves its process group before the interpreter ends: a gloo group left to the
+    interpreter's exit aborted the process now and then ("terminate called without an active exception", SIGABRT,
+    after the rank's one error line), and the launcher reported a crash. Bounded: a rank whose group does not close
+    in time exits at once, without the interpreter's clean-up."""
+    dist = sys.modules.get("torch.distributed")  # not imported: no group to leave (argument errors come before)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    import threading
+
+    closer = threading.Thread(target=dist.destroy_process_group, name="accel_trainer-leave", daemon=True)
+    closer.start()
+    closer.join(bound_s)
+    if closer.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _error_line(error: BaseException) -> None:

@@ -11,6 +11,7 @@ such files elsewhere."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -21,7 +22,12 @@ MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON files are kilobytes (an optimiz
 def read_bytes(file: str, max_bytes: int) -> bytes:
     """The bytes of the regular file `file` (a link is not followed), at most `max_bytes` of them; a larger file is
     a ValueError, not a read without end."""
-    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # the OS's words for it, "Too many levels of symbolic links", mislead
+            raise ValueError("a symbolic link, not followed") from None
+        raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

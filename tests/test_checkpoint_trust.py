@@ -857,9 +857,12 @@ def refusal_problems(kind: str, ctx: Ctx, named: list, rc, log: str) -> list[str
     # ChildFailedError traceback of accelerate's, not ours
     traceback = re.compile(r"^Traceback" if kind == "1" else r"^\[rank\d+\]: Traceback", re.M)
     resumed = "Resumed from" in log  # a refused resume must not say it resumed (on any rank)
-    if rc != 1 or len(errors) != 1 or traceback.search(log) or resumed:
+    # a rank that aborted after its line (a process group left to the interpreter's exit) is a crash to the launcher
+    aborted = "terminate called" in log or "SIGABRT" in log
+    if rc != 1 or len(errors) != 1 or traceback.search(log) or resumed or aborted:
         problems.append(
-            f"exit {rc}, error lines {errors}, traceback {bool(traceback.search(log))}, said resumed {resumed}"
+            f"exit {rc}, error lines {errors}, traceback {bool(traceback.search(log))}, said resumed {resumed}, "
+            f"a rank aborted {aborted}"
         )
     else:
         for n in named:

@@ -91,6 +91,11 @@ def resolve_resume_path(spec: str, output_dir: str, log=warn, skip=()) -> str | 
             f"--resume_from_checkpoint {spec}: {what}. Pass a checkpoint folder "
             f"(output_dir/checkpoints/step_<N>), 'latest' or 'auto'."
         )
+    if os.path.lexists(os.path.join(spec, STATE_FILE)) and not os.path.isfile(os.path.join(spec, STATE_FILE)):
+        raise CheckpointError(
+            f"Checkpoint {spec}: {os.path.join(spec, STATE_FILE)} is not a regular file (a link, a FIFO, a device or "
+            "a folder); refused. Resume from another checkpoint."
+        )
     if not os.path.isfile(os.path.join(spec, STATE_FILE)):
         steps = list_checkpoints(spec)  # the run's output_dir given instead of one of its checkpoints
         fix = (
