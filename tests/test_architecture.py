@@ -389,6 +389,8 @@ def test_every_file_the_package_reads_goes_through_the_safe_reader():
         "regular, size against its format's before hashing; the writer: its own file)",
         ("checkpointing.folder", "os.open(path, os.O_RDONLY)"): "fsync_path: opens a folder the run made, to fsync it",
         ("checkpointing.folder", "os.open(tmp, os.O_RDONLY)"): "write_file_atomically: fsyncs the file it just wrote",
+        ("checkpointing.changes", "os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)"): "_flag: a file or "
+        "folder, by lstat, opened for its flags (an ioctl), without following a link or blocking; nothing read",
         ("throughput", "os.open(f'/proc/self/{name}', flags | os.O_CLOEXEC)"): "the kernel's own files",
     }
     found = {}

@@ -7,7 +7,8 @@ process hashes every file (sha256, size; this also fsyncs them), writes `manifes
 to `step_<N>`. A kill at any moment leaves either the complete folder or a `.tmp_step_<N>` that is never used.
 A write that fails for a known cause (a full disk, a permission, a value a checkpoint cannot keep) is one line
 naming it and the last good checkpoint (disk_full_is_one_line). Only folders the run wrote are deleted or moved,
-by lstat (remove_folder). Reading a folder back: verify.py.
+by lstat (remove_folder), and only through changes.py: all or nothing, a refusal in one line naming the entry the OS
+would not let go. Reading a folder back: verify.py.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import os
 import re
 import shutil
 import stat
-import tempfile
+import sys
 import time
 
 from ..errors import OneLineError, UserError
+from . import changes
 
 STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
@@ -31,7 +33,7 @@ MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 2  # 1: accel-trainer <= 0.2, Accelerate's pickle-based save_state folders
 MODEL_FILE = "model.safetensors"  # accelerate's SAFE_MODEL_NAME + ".safetensors"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp_step_(\d+)$|^" + re.escape(changes.DELETING))  # and remains of a deletion
 _OLD_DIR = re.compile(r"^\.old_step_(\d+)$")  # a complete checkpoint set aside while the same step is re-saved
 
 
@@ -89,7 +91,8 @@ def is_real_folder(path: str) -> bool:
 def remove_folder(path: str) -> None:
     """Delete a folder the run wrote (a checkpoint, a temporary or set-aside one), only if it is one by lstat:
     shutil.rmtree opens what it is given, and a FIFO named like a leftover folder blocked it forever. Anything
-    else of that name is a one-line CheckpointError naming it; nothing is deleted."""
+    else of that name is a one-line CheckpointError naming it; nothing is deleted. All or nothing (changes.delete):
+    a folder the OS will not let go entirely is a one-line changes.FolderError, and left whole."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -100,7 +103,7 @@ def remove_folder(path: str) -> None:
             f"{path} is {kind}, named like a folder accel-trainer writes there; it was left as it is. Move or delete "
             "it by hand, then run again."
         )
-    shutil.rmtree(path)
+    changes.delete([path], f"Cannot delete {path}")
 
 
 def _move_folder(src: str, dst: str) -> None:
@@ -108,7 +111,20 @@ def _move_folder(src: str, dst: str) -> None:
     if not is_real_folder(src):
         remove_folder(src)  # raises, naming what it is
         return
-    os.replace(src, dst)
+    changes.move(src, dst, f"Cannot move {src} to {dst}")
+
+
+def _remove_or_warn(path: str, why: str) -> None:
+    """A folder the run no longer needs, deleted after a checkpoint was committed: one that cannot be deleted is
+    kept whole and said in a warning line, and the run goes on. Its checkpoint is written and complete; stopping
+    a run for the disk space of an old folder would lose the training since, and the next checkpoint tries again."""
+    if not is_real_folder(path):
+        return remove_folder(path)  # gone already, or raises naming what it is
+    then = f"The run goes on; make it writable ({changes.HOW}) and the next checkpoint deletes it."
+    try:
+        changes.delete([path], f"warning: {why}: cannot delete {path}", then, kept="it is kept whole")
+    except changes.FolderError as e:
+        print(str(e), file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------- writing
@@ -215,7 +231,8 @@ def save_checkpoint(
     if main:
         restore_set_aside(output_dir)
         remove_folder(tmp)
-        os.makedirs(tmp)
+        with disk_full_is_one_line(output_dir, what):  # checkpoints/ read-only, immutable, on a full disk
+            os.makedirs(tmp)
     accelerator.wait_for_everyone()
     with disk_full_is_one_line(output_dir, what, tmp):
         if write_extra is not None:
@@ -236,7 +253,7 @@ def save_checkpoint(
         _commit(root, tmp, final, step)
         if save_total_limit:  # only committed (complete) folders are listed: the newest one always stays
             for old in list_checkpoints(output_dir)[:-save_total_limit]:
-                remove_folder(old)
+                _remove_or_warn(old, f"--save_total_limit {save_total_limit}")
 
     if async_writer is not None:
         with disk_full_is_one_line(output_dir, what, tmp):
@@ -371,9 +388,10 @@ def _commit(root: str, tmp: str, final: str, step: int):
     if os.path.lexists(final):
         remove_folder(old)
         _move_folder(final, old)
-    os.replace(tmp, final)
+    with changes.one_line(f"Cannot rename {tmp} to {final}", tmp):
+        os.replace(tmp, final)
     fsync_path(root)
-    remove_folder(old)
+    _remove_or_warn(old, f"the copy of step_{step} it replaces")
 
 
 def restore_set_aside(output_dir: str) -> list[str]:
@@ -385,7 +403,7 @@ def restore_set_aside(output_dir: str) -> list[str]:
         if m := _OLD_DIR.match(d):
             final = os.path.join(root, f"step_{m.group(1)}")
             if os.path.lexists(final):
-                remove_folder(os.path.join(root, d))
+                _remove_or_warn(os.path.join(root, d), f"the copy of {os.path.basename(final)} it was replaced by")
             else:
                 _move_folder(os.path.join(root, d), final)
                 restored.append(final)
@@ -399,13 +417,12 @@ def set_aside_newer(output_dir: str, step: int) -> tuple[list[str], str | None]:
     newer = [p for p in list_checkpoints(output_dir) if int(os.path.basename(p).split("_")[1]) > step]
     if not newer:
         return [], None
-    # A folder made here and now (mkdtemp: a new name, created atomically, mode 0700 then the umask's): a name
-    # that is already there -- a link to elsewhere, someone's folder, a FIFO -- is never moved into.
-    aside = tempfile.mkdtemp(prefix=f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-", dir=checkpoints_root(output_dir))
-    os.chmod(aside, 0o777 & ~_umask())
-    for path in newer:
-        _move_folder(path, os.path.join(aside, os.path.basename(path)))
-    fsync_path(checkpoints_root(output_dir))
+    root = checkpoints_root(output_dir)
+    aside = changes.move_into_new_folder(  # all or none, into a folder made now (never a name already there)
+        newer, root, f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-", 0o777 & ~_umask(),
+        f"Cannot set aside {', '.join(os.path.basename(p) for p in newer)} (newer than step_{step}, resumed from)",
+    )  # fmt: skip
+    fsync_path(root)
     return newer, aside
 
 

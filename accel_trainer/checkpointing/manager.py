@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
 import time
 
@@ -31,9 +30,9 @@ from .. import evaluation, faults
 from ..errors import UserError
 from ..shards import full_state_dict
 from ..update import is_plain_torch
+from . import changes, pretrained
 from . import folder as ckpt_folder
 from . import lock as ckpt_lock
-from . import pretrained
 from . import record as ckpt_record
 from . import resume as ckpt_resume
 from . import state as ckpt_state
@@ -58,7 +57,7 @@ def prepare_output_dir(
     if elsewhere and not _within(spec, ckpt_folder.checkpoints_root(args.output_dir)):
         _refuse_overlap(spec, args.output_dir)  # before the lock file is written into output_dir (the checkpoint)
     _refuse_inside_a_run(args.output_dir)  # before the lock file too: a checkpoint it would land in stays as it was
-    lock = ckpt_resume.on_main(accelerator, lambda: ckpt_lock.acquire(args.output_dir, say), "output_dir", share=False)
+    lock = ckpt_resume.on_main(accelerator, lambda: _own(args, say), "output_dir", share=False)
     try:
         ckpt_lock.check_shared(accelerator, args.output_dir, lock, args.checkpoints)
         resume_path, kept_best = _check_output_dir(accelerator, args)
@@ -79,6 +78,17 @@ def prepare_output_dir(
             lock.release()
         raise
     return resume_path, kept_best, lock
+
+
+def _own(args, say) -> ckpt_lock.OutputLock:
+    """The lock on output_dir, once the run is known to be able to write there (a refusal lets it go)."""
+    lock = ckpt_lock.acquire(args.output_dir, say)
+    try:
+        changes.check_writable(args.output_dir, args.checkpoints)
+    except BaseException:
+        lock.release(tidy=True)
+        raise
+    return lock
 
 
 def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
@@ -106,10 +116,11 @@ def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
         kept_best = _keep_best(accelerator, args, out)
     if previous:
         accelerator.wait_for_everyone()  # every rank has checked before the main one deletes
-        if accelerator.is_main_process:
-            for f in previous:
-                old = os.path.join(out, f)
-                shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        why = "--overwrite_output_dir" if args.overwrite_output_dir else "starting over"
+        doing = f"{why}: cannot delete the previous run in {out}"
+        # All or nothing (a previous run half deleted is lost and not replaced); a refusal reaches every rank.
+        paths = [os.path.join(out, f) for f in previous]
+        ckpt_resume.on_main(accelerator, lambda: changes.delete(paths, doing), "output_dir", share=False)
     return path, kept_best
 
 
@@ -170,7 +181,7 @@ def _keep_best(accelerator, args, out: str) -> dict:
         accelerator.wait_for_everyone()  # every rank has read best/ before it moves
         aside = os.path.join(out, f"best.previous-{time.strftime('%Y%m%d-%H%M%S')}")
         if accelerator.is_main_process:
-            os.replace(os.path.join(out, "best"), aside)
+            changes.move(os.path.join(out, "best"), aside, f"Cannot move {os.path.join(out, 'best')} to {aside}")
         what = f"moved to {aside}: this run cannot compare against it (another metric, or no best.json)"
     if accelerator.is_main_process:
         print(

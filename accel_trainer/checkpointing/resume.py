@@ -216,7 +216,8 @@ def resume(
         if not accelerator.is_main_process:
             return
         for stale in remove_stale_tmp(args.output_dir):
-            say(f"Removed {stale}: a checkpoint whose writing was interrupted.")
+            what = "remains of a deletion" if ".deleting-" in stale else "a checkpoint whose writing was interrupted"
+            say(f"Removed {stale}: {what}.")
         moved, aside = set_aside_newer(args.output_dir, saved["global_step"])
         if moved:  # said even when quiet: checkpoints were moved
             warn(
