@@ -19,8 +19,9 @@ are inside DDP's all-reduce): on several processes that is the one-line stop; on
 Before a redo every rank puts DDP back to a window's start (_decide): without that, a rank that had run the synced
 forward all-reduces alone in the redo's first backward, or broadcasts buffers alone (both seen to hang in tests).
 
-The size is saved in checkpoints (`micro_batch_size` in trainer_state.json): a resumed run keeps the halved size,
-with or without the flag. Tested on CPUs, where a recipe raises torch.OutOfMemoryError (tests/test_micro_batch.py);
+The size is saved in checkpoints (`micro_batch_size` in trainer_state.json): a resumed run keeps the halved size
+(the flag comes with the run's arguments, run_args.json); one that turns the flag off (`--auto_micro_batch false`)
+runs the loader's batches, so a size in a checkpoint always comes with the flag (checkpointing/counters.py). Tested on CPUs, where a recipe raises torch.OutOfMemoryError (tests/test_micro_batch.py);
 run on one H100 with a real CUDA out of memory (bench/gpu.py's auto_micro_batch row), not yet on several GPUs.
 """
 
@@ -177,7 +178,10 @@ class MicroBatches:
                 f"The checkpoint's trainer_state.json has micro_batch_size {size!r}, not a positive integer or null: "
                 "not written by this Trainer. Set it to null (the loader's batch) or to the size to resume with."
             )
-        if size is not None and size < self.batch_size:
+        if size is not None and size < self.batch_size and not self.enabled:  # the user turned the flag off
+            self.say(f"note: the checkpoint's run halved the micro-batch to {size} (--auto_micro_batch); this run, "
+                     f"without the flag, runs the loader's batches of {self.batch_size} as they come.")  # fmt: skip
+        elif size is not None and size < self.batch_size:
             self._resize(size)
             self.say(
                 f"micro-batch size {self.size} (halved by --auto_micro_batch in the checkpoint's run), "

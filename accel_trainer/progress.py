@@ -17,9 +17,16 @@ class Progress:
     best_metric: float | None = None  # --metric_for_best_model: the best evaluation so far
     best_step: int | None = None
     evals_without_improvement: int = 0  # --early_stopping_patience counts them
+    # a notebook's train_step/overfit_batch updates since fit() last undid them: they move neither the data position
+    # nor, with the schedule held, the scheduler (checkpointing/counters.py derives both from the step)
+    debug_steps: int = 0
 
     def updated(self):
         self.global_step += 1
+
+    def debugged(self):
+        """The update just counted was a notebook's debugging update (Trainer.train_step)."""
+        self.debug_steps += 1
 
     def skipped(self):
         """An update found skipped (update.Updater.on_skipped: when it ran, or when its outcome was read)."""

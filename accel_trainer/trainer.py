@@ -421,6 +421,7 @@ class Trainer:
         self._debug.before_update(self)
         self.model.train()
         loss = self.update([batch if batch is not None else self.fetch_batch()], schedule=schedule)
+        self.progress.debugged()
         self.updater.settle()
         return float(loss)
 

@@ -165,6 +165,9 @@ def test_another_global_batch_is_refused(trained, tmp_path):
     state["num_processes"] = 2
     json.dump(state, open(folder / "trainer_state.json", "w"))
     shutil.copy(folder / "rng_state_0.json", folder / "rng_state_1.json")  # each writing rank's RNG state
+    record = json.load(open(folder / "run_args.json"))
+    record["state"]["world_size"] = 2  # a 2-process run's record says so (checkpointing/counters.py)
+    json.dump(record, open(folder / "run_args.json", "w"))
     write_manifest(str(folder), state)
     # 2 processes x 16 then, 1 x 16 now: another world size is fine, another global batch is not
     # the Python API names the keyword (the command line: --allow_global_batch_change)

@@ -219,6 +219,9 @@ class CheckpointManager:
         self.lock = lock  # the main process's lock on output_dir (lock.py), held until fit() ends
         self.owns_output_dir = True
         self.saved_step = None  # the step of the last checkpoint written by this run
+        # the step at which a resume went on with another global batch (--allow_global_batch_change), from where on
+        # the data position no longer follows from the step (checkpointing/counters.py); None: never
+        self.batch_changed_at = None
         self.pending_path = None  # a background write's folder, until checkpoint_written fired for it
         self.writer = self._async_writer() if args.save_async else None
         # The frozen parameters as built (a LoRA adapter's base): checkpoints hold their fingerprints, not them,
@@ -239,6 +242,7 @@ class CheckpointManager:
             "per_device_train_batch_size": self.args.per_device_train_batch_size,
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "seed": self.args.seed,
+            "global_batch_changed_at": self.batch_changed_at,
         }
 
     def resume(self, path: str) -> str:
@@ -269,6 +273,9 @@ class CheckpointManager:
                 if path is None:
                     raise ckpt_folder.CheckpointError(tried[0][1]) from None
         here = {**state, "batch_in_epoch": position}  # this rank's place in the epoch on this world size
+        old = state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] * state["num_processes"]
+        new = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * acc.num_processes
+        self.batch_changed_at = state.get("global_batch_changed_at") if old == new else state["global_step"]
         for component in self.components:
             component.load_state_dict(here)
         moved = "" if state["num_processes"] == acc.num_processes else (

@@ -26,7 +26,8 @@ from .. import faults, safe_read
 from ..errors import ArgumentError
 from ..field_types import value_problem
 from . import codec
-from .folder import list_checkpoints
+from .counters import record_contradiction
+from .folder import STATE_FILE, list_checkpoints
 from .state import RECORD_FILE
 
 # Arguments about this invocation, never taken from the record.
@@ -62,7 +63,13 @@ def read(path: str) -> dict | None:
     except (OSError, ValueError, TypeError, KeyError, RecursionError, codec.DecodeError):
         return None
     ok = isinstance(state, dict) and all(isinstance(state.get(k), dict) for k in ("training", "recipe"))
-    return state if ok and problem(state) is None else None
+    if not ok or problem(state) is not None:
+        return None
+    try:  # a record that contradicts its checkpoint's trainer state is not the run's (counters.py refuses it)
+        trainer_state = safe_read.read_json(os.path.join(path, STATE_FILE), 1 << 20)
+    except (OSError, ValueError):
+        return state  # verify.py names what is wrong with it
+    return None if record_contradiction(trainer_state, state) else state
 
 
 def problem(record: dict) -> str | None:

@@ -11,6 +11,8 @@ resume loads anything (a failure is one line naming the file, and `latest` falls
   position and world as the manifest and the folder's name;
 - every JSON file: what codec.encode writes, of this format, with this checkpoint's step (a file copied in from
   another checkpoint is named), the model, optimizer, scheduler and each writing rank's RNG state all there;
+- every counter against the step (counters.py): the scheduler's steps, the optimizer's per-parameter `step`, the
+  data position, micro_batch_size, and run_args.json's batch, accumulation and world against trainer_state.json;
 - every safetensors file: its header, no NaN in a floating tensor; sharded (FSDP) ones: each tensor's chunks
   cover its global shape exactly once (a chunk moved to another rank's place leaves a gap or an overlap), and the
   optimizer's references all resolve, each tensor used once.
@@ -32,6 +34,7 @@ from .. import safe_read
 from ..errors import one_line, why
 from . import codec
 from . import state as ckpt_state
+from .counters import check_counters
 from .folder import EMA_FILE, MANIFEST_FILE, STATE_FILE, CheckpointError, hash_file
 from .tensors import read_header, sharded_tensors
 
@@ -192,7 +195,7 @@ def verify_checkpoint(path: str, log=None) -> dict:
     state = check_state(path, manifest)
     check_complete(path, manifest, state)
     tensors = check_tensor_files(path, manifest, state["global_step"], state["num_processes"])
-    check_json_files(path, manifest, state, tensors)
+    check_counters(path, state, check_json_files(path, manifest, state, tensors))
     return state
 
 
@@ -240,6 +243,8 @@ def check_state(path: str, manifest: dict | None = None) -> dict:
         "items_per_rank": lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0,
         "evals_without_improvement": lambda v: type(v) is int and 0 <= v <= max(step, 0),
         "seed": lambda v: type(v) is int,
+        "debug_steps": lambda v: type(v) is int and 0 <= v <= max(step, 0),
+        "global_batch_changed_at": lambda v: type(v) is int and 0 <= v <= max(step, 0),
     }
     wrong += [f"{k} {state[k]!r}" for k, ok in optional.items() if state.get(k) is not None and not ok(state[k])]
     if wrong:
@@ -316,10 +321,12 @@ def check_tensor_files(path: str, manifest: dict, step: int, ranks: int | None =
     return out
 
 
-def check_json_files(path: str, manifest: dict, state: dict, tensors: dict):
+def check_json_files(path: str, manifest: dict, state: dict, tensors: dict) -> dict:
     """Every JSON state file decodes (codec.decode) and belongs to this step; the optimizer's references resolve to
-    its tensor files, each tensor used once; each RNG state is a dict of generators."""
+    its tensor files, each tensor used once; each RNG state is a dict of generators. Returns {file name: its state},
+    the optimizer's tensors as their names."""
     step = state["global_step"]
+    decoded = {}
     for rel in manifest["files"]:
         if not rel.endswith(".json") or rel in (MANIFEST_FILE, STATE_FILE) or not _read_by_us(rel):
             continue
@@ -328,7 +335,7 @@ def check_json_files(path: str, manifest: dict, state: dict, tensors: dict):
         if rel == ckpt_state.OPTIMIZER_FILE:
             names = {**tensors.get(ckpt_state.OPTIMIZER_TENSORS, {}), **tensors.get(ckpt_state.SHARDED_OPTIMIZER, {})}
         used: set = set()
-        value = read_state_file(path, file, step, dict.fromkeys(names, None), used)
+        value = decoded[rel] = read_state_file(path, file, step, {n: n for n in names}, used)
         if used != set(names):
             raise CheckpointError(
                 f"Checkpoint {path}: {file} does not use the tensors {sorted(set(names) - used)[:3]} of its files: "
@@ -351,6 +358,7 @@ def check_json_files(path: str, manifest: dict, state: dict, tensors: dict):
                     f"Checkpoint {path}: {file} {e}: the run would continue with other random numbers. Resume from "
                     "another checkpoint."
                 ) from None
+    return decoded
 
 
 def read_state_file(path: str, file: str, step: int, tensors: dict | None = None, used: set | None = None):
