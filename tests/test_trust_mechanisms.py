@@ -107,6 +107,24 @@ def test_an_output_dir_inside_a_run_or_a_checkpoint_is_refused_and_nothing_is_wr
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
 
 
+@pytest.mark.parametrize("resume", ["auto", None])
+@pytest.mark.parametrize("where", ["checkpoints", "checkpoints/nested/run", "best"])
+def test_a_run_folder_inside_this_runs_entries_is_never_deleted_or_written_into(trained, tmp_path, where, resume):
+    """A run on X/checkpoints, then one on X with 'auto' (no checkpoint: it starts over) deleted the first run's folder
+    while its lock was held; --overwrite_output_dir deleted it too. Refused, whatever the flags; nothing changes."""
+    x = tmp_path / "x"
+    x.mkdir()
+    inner = copy_run(trained, x / where)  # a run of its own (its lock file and run_config.json)
+    (x / "metrics.jsonl").write_text("")  # X held an attempt that died before its first checkpoint
+    before = sorted(str(p.relative_to(x)) for p in x.rglob("*"))
+    with open(inner / ".accel-trainer.lock", "a+") as held:  # that run is running (lock.py's flock)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        kw = {"resume_from_checkpoint": "auto"} if resume else {"overwrite_output_dir": True}
+        with pytest.raises(UserError, match=r"holds another run's output folder"):
+            make(x, max_steps=4, **kw)
+    assert sorted(str(p.relative_to(x)) for p in x.rglob("*")) == before
+
+
 def test_a_lock_file_that_is_a_link_or_holds_a_crafted_record_is_one_line(trained, tmp_path):
     out = copy_run(trained, tmp_path / "run")
     os.remove(out / ".accel-trainer.lock")

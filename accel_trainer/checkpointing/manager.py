@@ -30,7 +30,7 @@ from .. import evaluation, faults
 from ..errors import UserError
 from ..shards import full_state_dict
 from ..update import is_plain_torch
-from . import changes, pretrained
+from . import changes, placement, pretrained
 from . import folder as ckpt_folder
 from . import lock as ckpt_lock
 from . import record as ckpt_record
@@ -54,9 +54,11 @@ def prepare_output_dir(
     checkpoint the resume was expected to take (record.py): the one verified must hold the same."""
     spec = args.resume_from_checkpoint
     elsewhere = spec and not spec.startswith(("latest", "auto")) and os.path.isdir(spec)
-    if elsewhere and not _within(spec, ckpt_folder.checkpoints_root(args.output_dir)):
-        _refuse_overlap(spec, args.output_dir)  # before the lock file is written into output_dir (the checkpoint)
-    _refuse_inside_a_run(args.output_dir)  # before the lock file too: a checkpoint it would land in stays as it was
+    if elsewhere and not placement.within(spec, ckpt_folder.checkpoints_root(args.output_dir)):
+        placement.refuse_overlap(
+            spec, args.output_dir
+        )  # before the lock file is written into output_dir (the checkpoint)
+    placement.refuse_nested_runs(args.output_dir, PREVIOUS_RUN_FILES)  # before the lock file too: nothing is changed
     lock = ckpt_resume.on_main(accelerator, lambda: _own(args, say), "output_dir", share=False)
     try:
         ckpt_lock.check_shared(accelerator, args.output_dir, lock, args.checkpoints)
@@ -98,10 +100,10 @@ def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
     out = args.output_dir
     spec = ckpt_resume.effective_resume_spec(args.resume_from_checkpoint)
     path = ckpt_resume.resolve_on_main(accelerator, spec, out) if spec else None
-    if path is not None and _within(path, ckpt_folder.checkpoints_root(out)):
+    if path is not None and placement.within(path, ckpt_folder.checkpoints_root(out)):
         return path, {}  # this run's own checkpoint: output_dir holds the run it continues
     if path is not None:
-        _refuse_overlap(path, out)
+        placement.refuse_overlap(path, out)
     # A new run, or one continued from a checkpoint elsewhere: output_dir must not hold another run, whose model,
     # logs and checkpoints this one would write over or mix with its own.
     kept_best: dict = {}
@@ -122,49 +124,6 @@ def _check_output_dir(accelerator, args) -> tuple[str | None, dict]:
         paths = [os.path.join(out, f) for f in previous]
         ckpt_resume.on_main(accelerator, lambda: changes.delete(paths, doing), "output_dir", share=False)
     return path, kept_best
-
-
-def _within(path: str, root: str) -> bool:
-    """`path` is `root` or under it, links resolved."""
-    path, root = os.path.realpath(path), os.path.realpath(root)
-    return path == root or path.startswith(root + os.sep)
-
-
-RUN_MARKS = (ckpt_lock.LOCK_FILE, "run_config.json")  # a folder that holds a run (or held one)
-CHECKPOINT_MARKS = ("manifest.json", "trainer_state.json")  # a checkpoint folder, ours or a forged one
-
-
-def _refuse_inside_a_run(out: str) -> None:
-    """output_dir is a folder of its own: never a checkpoint, never inside another run's checkpoints/ or best/.
-    Whatever the flags (--overwrite_output_dir too): a run there wrote its model over a checkpoint's and its lock
-    into it, or set aside the checkpoints of a run still writing them (its lock is on the folder above)."""
-    real = os.path.realpath(out)
-    if any(os.path.lexists(os.path.join(real, f)) for f in CHECKPOINT_MARKS):
-        raise UserError(
-            f"--output_dir {out} is a checkpoint folder (it holds {' or '.join(CHECKPOINT_MARKS)}): the run would "
-            "write its model and logs over the checkpoint's files. Give an output_dir of its own (to continue from "
-            f"the checkpoint: --resume_from_checkpoint {out} --output_dir <new folder>)."
-        )
-    child, parent = real, os.path.dirname(real)
-    while parent != child:
-        owned = os.path.basename(child) in ("checkpoints", "best")
-        if owned and any(os.path.lexists(os.path.join(parent, f)) for f in RUN_MARKS):
-            raise UserError(
-                f"--output_dir {out} lies in {child}, the {os.path.basename(child)}/ folder of the run in {parent}: "
-                "the run would write over that run's files and its checkpoints would be moved or deleted there. "
-                "Give an output_dir outside it."
-            )
-        child, parent = parent, os.path.dirname(parent)
-
-
-def _refuse_overlap(checkpoint: str, out: str) -> None:
-    """A checkpoint from outside output_dir's checkpoints/ must lie outside output_dir, and output_dir outside it:
-    the run writes its model, logs, best/ and checkpoints there, over or into the checkpoint's own files."""
-    if _within(checkpoint, out) or _within(out, checkpoint):
-        raise UserError(
-            f"--resume_from_checkpoint {checkpoint} and --output_dir {out} overlap: the run would write into the "
-            "checkpoint it resumes from. Give another --output_dir, one that neither holds the checkpoint nor lies in it."
-        )
 
 
 def _keep_best(accelerator, args, out: str) -> dict:
