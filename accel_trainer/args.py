@@ -30,11 +30,13 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # (lowest allowed, first not allowed or None) of the numbers that have bounds of their own (field_types.py)
 BOUNDS = {
     **dict.fromkeys(("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "ddp_timeout", "powersgd_rank"), (1, None)),
+                     "logging_steps", "ddp_timeout", "powersgd_rank", "max_train_samples",
+                     "max_eval_samples"), (1, None)),
     **dict.fromkeys(("eval_steps", "save_steps", "dataloader_num_workers", "warmup_steps", "learning_rate",
                      "weight_decay", "adam_epsilon", "max_grad_norm"), (0, None)),
     **dict.fromkeys(("adam_beta1", "adam_beta2"), (0, 1)),
     "seed": (0, 2**32),  # numpy's and torch's seeds
+    "max_steps": (-1, None),  # -1: from num_train_epochs
 }  # fmt: skip
 
 

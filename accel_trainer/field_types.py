@@ -11,6 +11,8 @@ import typing
 from dataclasses import fields
 from typing import Any
 
+INT64 = 2**63
+
 
 def field_type_problems(obj, bounds: dict | None = None) -> list[tuple[str, str]]:
     """(field, what is wrong) for each field of the dataclass `obj` whose value is not of its declared type or out of
@@ -25,7 +27,7 @@ def field_type_problems(obj, bounds: dict | None = None) -> list[tuple[str, str]
             continue
         value, (low, below) = getattr(obj, f.name), (bounds or {}).get(f.name, (None, None))
         if not _is_of(value, hints[f.name]):
-            problems.append((f.name, f"{value!r} is not {_type_name(hints[f.name])}."))
+            problems.append((f.name, f"{_shown(value)} is not {_type_name(hints[f.name])}."))
         elif isinstance(value, (int, float)) and (
             (low is not None and value < low) or (below is not None and value >= below)
         ):
@@ -46,15 +48,25 @@ def _is_of(value, hint) -> bool:
         return isinstance(value, (list, tuple)) and all(_is_of(v, members[0]) for v in value) if members else True
     if hint is bool:
         return type(value) is bool
-    if hint is int:
-        return type(value) is int
+    if hint is int:  # torch's and numpy's integers are 64 bits; past that every count overflowed somewhere deep
+        return type(value) is int and -INT64 <= value < INT64
     if hint is float:  # an int is a float's value (--learning_rate 1 in YAML); NaN and infinity are no setting
-        return type(value) in (int, float) and math.isfinite(value)
+        return (type(value) is int and -INT64 <= value < INT64) or (type(value) is float and math.isfinite(value))
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return isinstance(value, hint) or value in [e.value for e in hint]
     if isinstance(hint, type) and hint is not Any:
         return isinstance(value, hint)
     return True
+
+
+def _shown(value) -> str:
+    """The value for a one-line message: a 400-digit integer or a megabyte string is named by its size."""
+    text = (
+        repr(value)
+        if not (type(value) is int and abs(value) >= INT64)
+        else f"an integer of {len(str(abs(value)))} digits"
+    )
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
 
 
 def _type_name(hint) -> str:
@@ -63,7 +75,13 @@ def _type_name(hint) -> str:
         return " or ".join(_type_name(m) for m in members)
     if origin is typing.Literal:
         return "one of " + ", ".join(map(repr, members))
-    names = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string", type(None): "None"}
+    names = {
+        int: "an integer of at most 64 bits",
+        float: "a finite number",
+        bool: "true or false",
+        str: "a string",
+        type(None): "None",
+    }
     return names.get(hint, f"a {getattr(hint, '__name__', hint)}")
 
 
@@ -73,7 +91,7 @@ def value_problem(cls, name: str, value, bounds: dict | None = None) -> str | No
     if hint is None:
         return None
     if not _is_of(value, hint):
-        return f"{value!r} is not {_type_name(hint)}"
+        return f"{_shown(value)} is not {_type_name(hint)}"
     low, below = (bounds or {}).get(name, (None, None))
     if isinstance(value, (int, float)) and (
         (low is not None and value < low) or (below is not None and value >= below)

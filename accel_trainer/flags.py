@@ -54,6 +54,12 @@ def _read_args_file(path: str) -> dict[str, Any]:
         ) from None
     if not isinstance(data, dict):
         raise ArgumentError(f"Arguments file {path} must hold a mapping of argument names to values.")
+    names = [k for k in data if not isinstance(k, str)]  # YAML keys may be numbers, null, lists
+    if names:
+        raise ArgumentError(
+            f"Arguments file {path}: the key {str(names[0])[:80]!r} is no argument name: give names as text "
+            "(max_steps: 100)."
+        )
     return data
 
 

@@ -4,7 +4,9 @@ output folder's records (best/best.json, the lock's record), an arguments file, 
 A file is opened without following a link and without blocking (a FIFO would block `open` forever), taken only if
 it is a regular file (a device never ends), read up to a bound (a sparse file of terabytes would be read to its
 end), and its JSON parsed strictly: a key repeated in an object (Python's json keeps the last one silently) and
-nesting deep enough to exhaust the parser's recursion are refused. Every failure is a ValueError or an OSError with
+nesting deep enough to exhaust the parser's recursion are refused, and so is an integer beyond 64 bits (no field
+holds one; a 400-digit one made `math.isfinite` and every float conversion raise OverflowError in the checks that
+read it, a traceback instead of a refusal). Every failure is a ValueError or an OSError with
 a short reason, for the caller's one line. Only the standard library: argument parsing imports this at start-up.
 `tests/test_architecture.py` holds the package to it: no `json.load`/`json.loads` and no reading `open()` of
 such files elsewhere."""
@@ -60,11 +62,20 @@ def loads(raw: bytes | str):
     """JSON text as Python objects, strictly: a repeated key or nesting past the parser's recursion is a
     ValueError with a short reason, as anything else JSON refuses."""
     try:
-        return json.loads(raw, object_pairs_hook=_no_repeated_keys)
+        return json.loads(raw, object_pairs_hook=_no_repeated_keys, parse_int=_int64)
     except RecursionError:
         raise ValueError("JSON nested too deep to parse") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"not UTF-8 text ({e.reason})") from None
+
+
+def _int64(text: str) -> int:
+    """An integer that fits 64 bits, signed or not (a seed is a uint64); past that (or json's own digit limit) a
+    ValueError naming its size, not the number."""
+    value = int(text) if len(text) <= 21 else None
+    if value is None or not -(2**63) <= value < 2**64:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits, beyond the 64 bits any field holds")
+    return value
 
 
 def _no_repeated_keys(pairs: list) -> dict:

@@ -79,6 +79,8 @@ def sparse(size):
         (text('{"a": 1, "a": 2}'), "appears twice"),
         (text("[" * 100_000 + "]" * 100_000), "nested too deep"),
         (text(b"\xff\xfe{}"), "not UTF-8|Expecting value|unexpected"),
+        (text('{"a": 1' + "0" * 400 + "}"), "integer of 401 digits, beyond the 64 bits"),  # OverflowError downstream
+        (text('{"a": 18446744073709551616}'), "beyond the 64 bits"),
         (text('{"a": 1}'), None),
     ],
 )
@@ -226,6 +228,11 @@ def test_a_record_of_values_no_run_has_is_refused_and_latest_takes_nothing_from_
         ("seed", 2**32),
         ("adam_beta1", 1.0),
         ("lr_scheduler_type", "bogus"),
+        ("max_steps", 10**400),  # OverflowError: int too large to convert to float
+        ("learning_rate", 10**400),
+        ("per_device_train_batch_size", 2**64),
+        ("max_steps", -7),  # was taken as -1 (unset): trained by epochs
+        ("max_train_samples", 0),
     ],
 )
 def test_a_keyword_of_the_wrong_type_or_range_is_one_line_naming_it(tmp_path, field, value):
@@ -242,3 +249,59 @@ def test_a_trainer_state_that_is_no_regular_file_is_named_as_such(trained, tmp_p
     make_it(folder / "trainer_state.json")
     with pytest.raises(CheckpointError, match=r"trainer_state.json is not a regular file .*; refused"):
         make(out, max_steps=16, resume_from_checkpoint=str(folder))
+
+
+@pytest.mark.parametrize(
+    "file, field",
+    [("trainer_state.json", "best_metric"), ("trainer_state.json", "items_per_rank"), ("run_args.json", "seed")],
+)
+def test_a_number_beyond_64_bits_in_a_checkpoint_is_refused_and_latest_takes_the_one_before(
+    trained, tmp_path, file, field
+):
+    """A 400-digit integer in trainer_state.json raised OverflowError in the checks (math.isfinite): a traceback, and
+    `latest` did not fall back to the checkpoint before."""
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_12"
+    raw = (folder / file).read_text()
+    doc = json.loads(raw)
+    (doc["state"]["training"] if file == "run_args.json" else doc)[field] = 0
+    crafted = json.dumps(doc).replace(f'"{field}": 0', f'"{field}": 1' + "0" * 400)
+    (folder / file).write_text(crafted)
+    manifest_edit(folder, lambda m: m["files"][file].update(size=len(crafted), sha256=sha256(folder / file)))
+    with pytest.raises(CheckpointError, match=r"beyond the 64 bits"):
+        make(out, max_steps=16, resume_from_checkpoint=str(folder))
+    resumed = make(out, max_steps=12, resume_from_checkpoint="latest")
+    assert resumed.global_step == 8
+
+
+def test_an_arguments_file_key_that_is_no_name_is_one_line(tmp_path, capsys):
+    from accel_trainer.flags import parse_args
+
+    path = tmp_path / "args.yaml"
+    path.write_text(f"output_dir: {tmp_path / 'o'}\n1: 2\n")  # a YAML key may be a number: TypeError in the parser
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(None, [str(path)])
+    assert stopped.value.code != 0
+    assert "the key '1' is no argument name" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- a metrics file from elsewhere
+def test_report_draws_foreign_field_names_as_text_and_a_bounded_number_of_panels(tmp_path, capsys, monkeypatch):
+    """`accel-trainer report` on a metrics.jsonl someone else wrote: a '$\\frac{$' field name raised in matplotlib's
+    math parser, a lone surrogate in the file writer, 3000 fields drew 3000 panels (gigabytes), a 400-digit
+    number raised OverflowError: each was a traceback."""
+    from accel_trainer.tools import report
+
+    monkeypatch.setattr(report, "MAX_PANELS", 6)  # the bound, not its value (48 panels take seconds to draw)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    many = {f"k{i}": 1.0 for i in range(30)}
+    rows = [json.dumps({"step": s, "eval_$\\frac{$": 1.0 / s, "a\ud800": 2.0, **many}) for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    drawn = report.plot_runs([str(run_dir)], str(tmp_path / "r.png"), x="step")
+    assert len({k[0] for k in drawn}) == 6 and (tmp_path / "r.png").stat().st_size > 0
+    assert {"eval_$\\frac{$", "a\ud800"} <= {k[1] for k in drawn}  # drawn, as text
+    assert "drawing the first 6" in capsys.readouterr().err
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1' + "0" * 400 + '}\n{"step": 2, "loss": 1}\n')
+    with pytest.raises(report.ReportError, match=r"metrics.jsonl:1 .*beyond the 64 bits"):
+        report.plot_runs([str(run_dir)], str(tmp_path / "r.png"), x="step")

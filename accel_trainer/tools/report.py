@@ -42,6 +42,13 @@ ORDER = [
 ]
 SHARED_PANEL = {"eval_loss": "loss"}
 X_VIEWS = {"step": ("step", "optimizer updates"), "time": ("elapsed_s", "wall time (s)")}
+MAX_PANELS = 48  # a figure of thousands of panels took gigabytes; a run logs tens of fields
+
+
+def _plain(text: str) -> str:
+    """A field name or label as text on the figure: never matplotlib's math ('$\\frac{$' raised deep in the
+    renderer), a lone surrogate (not encodable: the writer raised) as its escape."""
+    return text.encode("utf-8", "backslashreplace").decode().replace("$", r"\$")
 
 
 class ReportError(UserError):
@@ -133,6 +140,13 @@ def panels(runs: list[tuple[str, list[dict]]]) -> list[tuple[str, list[str]]]:
         + [k for k in ORDER[1:] if k in keys]
         + sorted(keys - set(ORDER) - set(evals) - set(SHARED_PANEL))
     )
+    if len(ordered) > MAX_PANELS:
+        print(
+            f"warning: {len(ordered)} numeric fields in metrics.jsonl; drawing the first {MAX_PANELS} "
+            f"({len(ordered) - MAX_PANELS} left out, from {ordered[MAX_PANELS]!a}).",
+            file=sys.stderr,
+        )
+        ordered = ordered[:MAX_PANELS]
     out = []
     for title in ordered:
         members = [title] + [k for k, panel in SHARED_PANEL.items() if panel == title]
@@ -211,11 +225,13 @@ def plot_runs(
                 axes[n].set_xlabel(X_VIEWS[view][1], fontsize=8)
             if len(keys) > 1 and n == 0:  # say which line style is which key
                 styles = [Line2D([], [], color="gray", linestyle="--" if k.startswith("eval_") else "-") for k in keys]
-                axes[n].legend(styles, keys, fontsize=7, loc="upper right")
+                axes[n].legend(styles, [_plain(k) for k in keys], fontsize=7, loc="upper right")
         for ax in axes[len(cells) :]:
             ax.set_visible(False)
         handles = [Line2D([], [], color=colors[i % len(colors)], linewidth=2) for i in range(len(runs))]
-        fig.legend(handles, [label for label, _ in runs], loc="upper center", ncol=min(len(runs), 4), fontsize=9)
+        fig.legend(
+            handles, [_plain(label) for label, _ in runs], loc="upper center", ncol=min(len(runs), 4), fontsize=9
+        )
         fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
         try:
             fig.savefig(out, dpi=dpi)
@@ -246,7 +262,7 @@ def _draw_cell(ax, title: str, keys: list[str], view: str, runs, colors) -> dict
                 linewidth=1.2 + (len(runs) - 1 - i) / max(1, len(runs) - 1),
             )
             drawn[(title, key, view, label)] = (list(line.get_xdata()), list(line.get_ydata()))
-    ax.set_title(title if len(keys) == 1 else " / ".join(keys), fontsize=9, loc="left")
+    ax.set_title(_plain(title if len(keys) == 1 else " / ".join(keys)), fontsize=9, loc="left")
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
     return drawn
