@@ -7,12 +7,45 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import torch
 
 from . import privates
 from .args import TrainingArguments
 from .recipe import RecipeError
+
+# The optimizers and schedulers built here hold the run's arguments for the whole run (the default schedules change
+# only each group's 'lr'). torch's load_state_dict takes the checkpoint's settings over them: a crafted
+# optimizer.json trained on at another weight decay, and --allow_args_change --learning_rate at the old rate. A
+# checkpoint's must equal them (checkpointing/load.py), or with --allow_args_change they are put back
+# (keep_run_settings). A recipe's own optimizer or schedule may change any of them: left as torch loads them.
+BUILT_HERE: weakref.WeakSet = weakref.WeakSet()
+
+
+def run_settings(opt, scheduler) -> dict:
+    """{"groups": the settings each param group holds from the run's arguments, "base_lrs": the schedule's or None}
+    of what was built here."""
+    keys = (("weight_decay", "eps", "betas") if opt in BUILT_HERE else ()) + (
+        ("initial_lr",) if scheduler in BUILT_HERE else ()
+    )
+    return {
+        "groups": [{k: g[k] for k in keys if k in g} for g in opt.param_groups],
+        "base_lrs": list(scheduler.base_lrs) if scheduler in BUILT_HERE else None,
+    }
+
+
+def keep_run_settings(opt, scheduler, settings: dict) -> None:
+    """Put `settings` (run_settings before the load) back after a checkpoint's were loaded; the current learning
+    rate scaled with the base one (every schedule here multiplies the base rate)."""
+    for group, mine in zip(opt.param_groups, settings["groups"]):
+        before = group.get("initial_lr")
+        group.update(mine)
+        if before and "initial_lr" in mine:
+            group["lr"] *= mine["initial_lr"] / before
+    if settings["base_lrs"] is not None:
+        scheduler.base_lrs = list(settings["base_lrs"])
+        scheduler._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports (torch's field)
 
 
 def default_optimizer(
@@ -30,12 +63,14 @@ def default_optimizer(
             "(p.requires_grad_(True)) in build_model, or give the recipe a build_optimizer."
         )
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=args.learning_rate if learning_rate is None else learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=fused_adamw_supported(decay + no_decay, device or next(model.parameters()).device),
+    return _built_here(
+        torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=args.learning_rate if learning_rate is None else learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            fused=fused_adamw_supported(decay + no_decay, device or next(model.parameters()).device),
+        )
     )
 
 
@@ -69,11 +104,16 @@ def default_scheduler(optimizer, num_training_steps: int, args: TrainingArgument
         lr_lambda = functools.partial(
             _linear_with_warmup, num_warmup_steps=warmup, num_training_steps=num_training_steps
         )
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        return _built_here(torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda))
     if args.lr_scheduler_type == "constant":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
+        return _built_here(torch.optim.lr_scheduler.LambdaLR(optimizer, _constant))
     from transformers import get_scheduler
 
-    return get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=num_training_steps
+    return _built_here(
+        get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=num_training_steps)
     )
+
+
+def _built_here(obj):
+    BUILT_HERE.add(obj)
+    return obj

@@ -305,3 +305,72 @@ def test_report_draws_foreign_field_names_as_text_and_a_bounded_number_of_panels
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1' + "0" * 400 + '}\n{"step": 2, "loss": 1}\n')
     with pytest.raises(report.ReportError, match=r"metrics.jsonl:1 .*beyond the 64 bits"):
         report.plot_runs([str(run_dir)], str(tmp_path / "r.png"), x="step")
+
+
+# ------------------------------------------------------------------ settings the run's arguments fix, as saved
+def _default_optimizer_recipe():
+    """regression without its build_optimizer: the Trainer's AdamW, whose settings are the run's arguments."""
+    import types
+
+    recipe = types.ModuleType("regression_default_optimizer")
+    recipe.__dict__.update({k: v for k, v in vars(regression).items() if k not in ("build_optimizer", "__name__")})
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def trained_default(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trust_default") / "run"
+    Trainer(_default_optimizer_recipe(), TrainingArguments(output_dir=str(out), max_steps=8, save_steps=4,
+            learning_rate=1e-2, weight_decay=0.1, per_device_train_batch_size=16, disable_tqdm=True),
+            regression.Args(), quiet=True).fit()  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    "file, change, said",
+    [
+        ("optimizer.json", lambda s: s["param_groups"][0].update(weight_decay=100.0), "weight_decay is 100.0"),
+        ("optimizer.json", lambda s: s["param_groups"][0].update(initial_lr=5.0), "initial_lr is 5.0"),
+        ("optimizer.json", lambda s: s["param_groups"][0].update(eps=0.5), "eps is 0.5"),
+        ("optimizer.json", lambda s: s["param_groups"][0]["betas"]["@tuple"].__setitem__(1, 0.5), "betas.1 is 0.5"),
+        ("scheduler.json", lambda s: s.update(base_lrs=[5.0] * len(s["base_lrs"])), r"base_lrs \[5.0"),
+    ],
+)
+def test_settings_the_runs_arguments_fix_are_refused_when_a_checkpoint_holds_others(
+    trained_default, tmp_path, file, change, said
+):
+    """optimizer.json's weight decay, base learning rate, eps and betas (scheduler.json's base_lrs) were loaded as
+    they were: a crafted checkpoint trained on with settings no argument gave, silently. The Trainer's optimizer
+    and schedule hold the run's arguments for the whole run: another value is refused, `latest` falls back."""
+    out = copy_run(trained_default, tmp_path / "run")
+    folder = out / "checkpoints" / "step_8"
+    doc = json.loads((folder / file).read_text())
+    change(doc["state"])
+    (folder / file).write_text(json.dumps(doc))
+    manifest_edit(folder, lambda m: m["files"][file].update(
+        size=(folder / file).stat().st_size, sha256=sha256(folder / file)))  # fmt: skip
+    recipe = _default_optimizer_recipe()
+    with pytest.raises(CheckpointError, match=said):
+        Trainer(recipe, TrainingArguments(output_dir=str(out), resume_from_checkpoint=str(folder), max_steps=12,
+                disable_tqdm=True), quiet=True)  # fmt: skip
+    resumed = Trainer(recipe, TrainingArguments(output_dir=str(out), resume_from_checkpoint="latest", max_steps=8,
+                      disable_tqdm=True), quiet=True)  # fmt: skip
+    assert resumed.global_step == 4
+
+
+def test_a_learning_rate_changed_with_allow_args_change_is_the_one_trained_with(trained_default, tmp_path):
+    """--allow_args_change --learning_rate 0.1 on a resume was accepted and noted, then torch's load put the
+    checkpoint's rate back (scheduler base_lrs, each group's initial_lr): the run trained on at 0.01, silently."""
+    out = copy_run(trained_default, tmp_path / "run")
+    folder = out / "checkpoints" / "step_4"  # mid-schedule: its learning rate is not 0
+    saved = json.loads((folder / "optimizer.json").read_text())["state"]["param_groups"]
+    assert saved[0]["lr"] > 0
+    again = Trainer(_default_optimizer_recipe(), TrainingArguments(output_dir=str(out), resume_from_checkpoint=str(folder),
+                    learning_rate=0.1, weight_decay=0.2, max_steps=12, allow_args_change=True, disable_tqdm=True),
+                    quiet=True)  # fmt: skip
+    schedule = getattr(again.scheduler, "scheduler", again.scheduler)
+    assert schedule.base_lrs == [0.1] * len(saved)
+    groups = again.optimizer.param_groups
+    assert [g["initial_lr"] for g in groups] == [0.1] * len(saved)
+    assert [g["lr"] for g in groups] == pytest.approx([s["lr"] * 10 for s in saved])  # the schedule's point, x10
+    assert groups[0]["weight_decay"] == 0.2 and saved[0]["weight_decay"] == 0.1

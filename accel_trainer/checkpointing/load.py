@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import optim
 from ..errors import why
 from . import state as ckpt_state
 from .folder import EMA_FILE, CheckpointError
@@ -105,12 +106,14 @@ class Plan:
     scaler: object
     rng: dict | None  # this rank's RNG states, or None for a rank the writing run did not have
     ema: object
+    settings: dict | None  # optim.run_settings, put back after the load (--allow_args_change)
 
 
-def check(accelerator, path: str, model, optimizer, scheduler, ema=None) -> Plan:
+def check(accelerator, path: str, model, optimizer, scheduler, ema=None, args_changed=False) -> Plan:
     """Phase 1, every rank: read and check everything load_checkpoint sets; nothing of the run is set (but the
     optimizer's state, built empty with a zero-lr step where it had none, as torch's get_optimizer_state_dict
-    does). CheckpointError naming the file and the field."""
+    does). CheckpointError naming the file and the field. The settings the run's arguments fix (optim.run_settings)
+    must be the checkpoint's, unless `args_changed` (--allow_args_change): then this run's are kept."""
     from accelerate.utils import DistributedType
 
     sharded_run = accelerator.distributed_type == DistributedType.FSDP
@@ -128,8 +131,11 @@ def check(accelerator, path: str, model, optimizer, scheduler, ema=None) -> Plan
     # no state yet, torch builds it with a zero-lr step, which must not act on weights already loaded.
     template = ckpt_state.state_dict_api("get_optimizer_state_dict", plain, opt)
     frozen = _check_weights(path, plain, sharded)
-    optimizer_shards = _check_optimizer(path, template, step, sharded)
-    _check_fields(path, ckpt_state.SCHEDULER_FILE, step, scheduler, saved)
+    settings = optim.run_settings(opt, getattr(scheduler, "scheduler", scheduler))  # Accelerate's wrapper, or not
+    fixed = () if args_changed else tuple({k for g in settings["groups"] for k in g})
+    optimizer_shards = _check_optimizer(path, template, step, sharded, fixed)
+    fixed = ("base_lrs",) if settings["base_lrs"] is not None and not args_changed else ()
+    _check_fields(path, ckpt_state.SCHEDULER_FILE, step, scheduler, saved, fixed)
     if accelerator.scaler is not None:
         _check_fields(path, ckpt_state.SCALER_FILE, step, accelerator.scaler, saved)
     rng = None
@@ -144,7 +150,7 @@ def check(accelerator, path: str, model, optimizer, scheduler, ema=None) -> Plan
         file = os.path.join(path, EMA_FILE)
         check_tensors(path, file, file_tensors(path, file), ema.module.state_dict(), "this model's EMA")
     return Plan(path, saved, sharded, plain, opt, template, frozen, optimizer_shards, scheduler, accelerator.scaler,
-                rng, ema)  # fmt: skip
+                rng, ema, settings if args_changed else None)  # fmt: skip
 
 
 def apply(plan: Plan, say=None):
@@ -153,6 +159,8 @@ def apply(plan: Plan, say=None):
     load_weights(path, plan.model, plan.sharded, plan.frozen)
     load_optimizer(path, plan.model, plan.opt, plan.template, step, plan.optimizer_shards)
     plan.scheduler.load_state_dict(read_state_file(path, os.path.join(path, ckpt_state.SCHEDULER_FILE), step))
+    if plan.settings is not None:
+        optim.keep_run_settings(plan.opt, getattr(plan.scheduler, "scheduler", plan.scheduler), plan.settings)
     if plan.scaler is not None:
         plan.scaler.load_state_dict(read_state_file(path, os.path.join(path, ckpt_state.SCALER_FILE), step))
     if plan.rng is not None:
@@ -237,11 +245,12 @@ def _check_frozen(path: str, model) -> dict:
     return saved
 
 
-def _check_optimizer(path: str, template: dict, step: int, sharded: bool) -> dict:
+def _check_optimizer(path: str, template: dict, step: int, sharded: bool, fixed=()) -> dict:
     """optimizer.json and its tensors against `template` (get_optimizer_state_dict of this run's optimizer): each
     tensor where the template has one, of its (global) shape and dtype; the same parameters in each state and param
     group, each group's settings of the kinds this optimizer has (a flag as it is here; a number finite); step counts
-    between 0 and global_step. Returns the sharded tensors' {name: (global shape, dtype)}."""
+    between 0 and global_step; the group settings named in `fixed` as they are here. Returns the sharded tensors'
+    {name: (global shape, dtype)}."""
     from safetensors import safe_open
 
     file = os.path.join(path, ckpt_state.OPTIMIZER_FILE)
@@ -257,7 +266,7 @@ def _check_optimizer(path: str, template: dict, step: int, sharded: bool) -> dic
             held.update({n: f.get_tensor(n) for n, (shape, _) in found.items() if math.prod(shape) == 1})
     used: set = set()
     state = read_state_file(path, file, step, held, used)
-    problem = _unlike(state, template, step, "")
+    problem = _unlike(state, template, step, "", fixed)
     if problem is None and used != set(held):
         problem = f"tensors it does not use ({sorted(set(held) - used)[:3]})"
     if problem is not None:
@@ -268,7 +277,7 @@ def _check_optimizer(path: str, template: dict, step: int, sharded: bool) -> dic
     return in_shards
 
 
-def _unlike(saved, live, step: int, where: str) -> str | None:
+def _unlike(saved, live, step: int, where: str, fixed=()) -> str | None:
     """Where `saved` (an optimizer state dict as the checkpoint holds it) is not of `live`'s make, or None."""
     here = where or "the state"
     if torch.is_tensor(live):
@@ -295,7 +304,7 @@ def _unlike(saved, live, step: int, where: str) -> str | None:
             keys = sorted(map(str, set(saved) ^ set(live)))[:4] if isinstance(saved, dict) else type(saved).__name__
             return f"{here} holds other entries ({keys})"
         for k in saved:
-            problem = _unlike(saved[k], live[k], step, f"{where}.{k}" if where else str(k))
+            problem = _unlike(saved[k], live[k], step, f"{where}.{k}" if where else str(k), fixed)
             if problem:
                 return problem
         return None
@@ -305,7 +314,7 @@ def _unlike(saved, live, step: int, where: str) -> str | None:
         if where.endswith(".params"):
             return None if list(saved) == list(live) else f"{here} names other parameters"
         for i, (a, b) in enumerate(zip(saved, live)):
-            problem = _unlike(a, b, step, f"{where}.{i}")
+            problem = _unlike(a, b, step, f"{where}.{i}", fixed)
             if problem:
                 return problem
         return None
@@ -317,6 +326,9 @@ def _unlike(saved, live, step: int, where: str) -> str | None:
             return f"{here} is {saved}"
         if where.endswith(".step") and not 0 <= saved <= step:
             return f"{here} is {saved}, not a step count of a run at step {step}"
+        group_key = re.fullmatch(r"param_groups\.\d+\.([^.]+)(\.\d+)?", where)  # betas: param_groups.0.betas.1
+        if group_key and group_key.group(1) in fixed and saved != live:
+            return f"{here} is {saved}, {live} as this run's arguments set it"
         return None
     if type(saved) is not type(live) and saved is not None and live is not None:
         return f"{here} is {str(saved)[:40]}, {str(live)[:40]} here"
@@ -368,10 +380,10 @@ def _dcp_load(path: str, folder: str, state: dict):
         raise CheckpointError(f"Checkpoint {path}: {folder} cannot be loaded ({why(e)}).") from None
 
 
-def _check_fields(path: str, name: str, step: int, target, saved_state: dict):
+def _check_fields(path: str, name: str, step: int, target, saved_state: dict, fixed=()):
     """A scheduler's or GradScaler's state: the fields the object has, of their kinds, numbers finite where the
     object's are (load_state_dict would take any dict into the object's __dict__); a schedule's count of steps
-    not past the run's updates."""
+    not past the run's updates; the fields named in `fixed` as they are here."""
     file = os.path.join(path, name)
     if not os.path.isfile(file):
         raise CheckpointError(
@@ -383,6 +395,7 @@ def _check_fields(path: str, name: str, step: int, target, saved_state: dict):
     steps = saved.get("last_epoch") if isinstance(saved, dict) and not wrong else None
     if type(steps) is int and not -1 <= steps <= step + 1:  # once per update that stepped, at most
         wrong.append(f"last_epoch {steps} (the run is at step {step})")
+    wrong += [f"{k} {saved[k]} ({live[k]} here)" for k in fixed if not wrong and saved[k] != live[k]]
     if wrong:
         raise CheckpointError(
             f"Checkpoint {path}: {file} does not hold the state of this run's {type(target).__name__} "

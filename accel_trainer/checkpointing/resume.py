@@ -200,7 +200,8 @@ def resume(
                 f"({batches_per_epoch} micro-batches per process here): a checkpoint of other data, or a damaged "
                 "one. Resume with the data it was written with, or from another checkpoint."
             )
-        plan = ckpt_load.check(accelerator, path, model, optimizer, scheduler, ema=ema)
+        plan = ckpt_load.check(accelerator, path, model, optimizer, scheduler, ema=ema,
+                               args_changed=args.allow_args_change)  # fmt: skip
         if extra is not None:
             extra(saved)
         return saved, position, plan
