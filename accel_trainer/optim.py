@@ -36,16 +36,23 @@ def run_settings(opt, scheduler) -> dict:
 
 
 def keep_run_settings(opt, scheduler, settings: dict) -> None:
-    """Put `settings` (run_settings before the load) back after a checkpoint's were loaded; the current learning
-    rate scaled with the base one (every schedule here multiplies the base rate)."""
+    """Put `settings` (run_settings before the load) back after a checkpoint's were loaded."""
     for group, mine in zip(opt.param_groups, settings["groups"]):
-        before = group.get("initial_lr")
         group.update(mine)
-        if before and "initial_lr" in mine:
-            group["lr"] *= mine["initial_lr"] / before
     if settings["base_lrs"] is not None:
         scheduler.base_lrs = list(settings["base_lrs"])
-        scheduler._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports (torch's field)
+
+
+def set_scheduled_lrs(opt, scheduler) -> None:
+    """Each group's current learning rate as the schedule built here gives it at its step (LambdaLR: base rate x
+    the schedule's factor, what its step() sets), never the checkpoint's 'lr': a crafted one (5.0, -3.0) trained
+    the first resumed update at that rate while metrics.jsonl logged the schedule's."""
+    if scheduler not in BUILT_HERE or not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (torch's field)
 
 
 def default_optimizer(

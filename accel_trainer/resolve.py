@@ -9,6 +9,7 @@ from typing import Any
 from .args import TrainingArguments
 from .checkpointing import record
 from .errors import ArgumentError
+from .field_types import field_type_problems
 from .flags import parse_args
 from .recipe import Recipe, RecipeContext, load_recipe
 from .transformers_names import transformers_name
@@ -96,6 +97,8 @@ def resolve_args(recipe, argv: list[str] | None = None, values: dict[str, Any] |
         targs = TrainingArguments(**{k: v for k, v in chosen.items() if k in names["targs"]})
         rargs = recipe.Args(**{k: v for k, v in chosen.items() if k in names["rargs"]}) if recipe.Args else None
         given = set(values)
+    for name, problem in field_type_problems(rargs) if rargs is not None else ():  # as TrainingArguments' own
+        raise ArgumentError(f"--{name}: {problem}")  # a 400-digit --data_seed was a traceback in numpy
     given = frozenset(given)
     # The run's one RecipeContext. configure runs before the Accelerator exists (its presets may change the
     # arguments the Accelerator is built from), so it sees the launcher's world; the Trainer completes this same

@@ -372,5 +372,34 @@ def test_a_learning_rate_changed_with_allow_args_change_is_the_one_trained_with(
     assert schedule.base_lrs == [0.1] * len(saved)
     groups = again.optimizer.param_groups
     assert [g["initial_lr"] for g in groups] == [0.1] * len(saved)
-    assert [g["lr"] for g in groups] == pytest.approx([s["lr"] * 10 for s in saved])  # the schedule's point, x10
+    # the schedule's rate at step 4 of this run's 12 (linear, no warm-up), at the new base rate
+    assert [g["lr"] for g in groups] == pytest.approx([0.1 * (12 - 4) / 12] * len(saved))
     assert groups[0]["weight_decay"] == 0.2 and saved[0]["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize("forged", [5.0, -3.0])
+def test_the_current_learning_rate_comes_from_the_schedule_not_the_checkpoint(trained, tmp_path, forged):
+    """A crafted 'lr' in optimizer.json (the recipe's own optimizer, the Trainer's schedule) trained the first resumed
+    update at that rate (eval_loss 148 against 0.61) while metrics.jsonl logged the schedule's rate."""
+    rates = []
+    for name, lr in (("plain", None), ("forged", forged)):
+        out = copy_run(trained, tmp_path / name)
+        folder = out / "checkpoints" / "step_8"
+        if lr is not None:
+            doc = json.loads((folder / "optimizer.json").read_text())
+            doc["state"]["param_groups"][0]["lr"] = lr
+            (folder / "optimizer.json").write_text(json.dumps(doc))
+            manifest_edit(folder, lambda m: m["files"]["optimizer.json"].update(
+                size=(folder / "optimizer.json").stat().st_size, sha256=sha256(folder / "optimizer.json")))  # fmt: skip
+        resumed = make(out, max_steps=12, resume_from_checkpoint=str(folder))
+        rates.append([g["lr"] for g in resumed.optimizer.param_groups])
+    assert rates[0] == rates[1] and 0 < rates[0][0] < 1e-2
+
+
+@pytest.mark.parametrize("value", [10**400, 2**64 - 1, 1.5])
+def test_a_recipe_argument_is_held_to_its_type_as_the_trainers_are(tmp_path, value):
+    """A 400-digit (or 2**64 - 1) --data_seed was accepted and failed in torch's manual_seed with a traceback."""
+    from accel_trainer.resolve import resolve_args
+
+    with pytest.raises(UserError, match=r"data_seed: .* is not an integer"):
+        resolve_args(regression, values={"output_dir": str(tmp_path), "data_seed": value})

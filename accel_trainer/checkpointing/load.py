@@ -159,8 +159,10 @@ def apply(plan: Plan, say=None):
     load_weights(path, plan.model, plan.sharded, plan.frozen)
     load_optimizer(path, plan.model, plan.opt, plan.template, step, plan.optimizer_shards)
     plan.scheduler.load_state_dict(read_state_file(path, os.path.join(path, ckpt_state.SCHEDULER_FILE), step))
+    schedule = getattr(plan.scheduler, "scheduler", plan.scheduler)  # Accelerate's wrapper, or not
     if plan.settings is not None:
-        optim.keep_run_settings(plan.opt, getattr(plan.scheduler, "scheduler", plan.scheduler), plan.settings)
+        optim.keep_run_settings(plan.opt, schedule, plan.settings)
+    optim.set_scheduled_lrs(plan.opt, schedule)
     if plan.scaler is not None:
         plan.scaler.load_state_dict(read_state_file(path, os.path.join(path, ckpt_state.SCALER_FILE), step))
     if plan.rng is not None:
