@@ -156,7 +156,7 @@ class Trainer:
             self._attach_profiler()
 
         if resume_path:
-            self.checkpoints.resume(resume_path)
+            resume_path = self.checkpoints.resume(resume_path)  # the one before, where latest skipped a refused one
         # After the resume: a checkpoint this run cannot continue leaves the record of the run that wrote it.
         self.reporter.write_run_config(os.path.join(args.output_dir, "run_config.json"), build.run_config(self))
         if args.trackers:

@@ -403,3 +403,28 @@ def test_a_recipe_argument_is_held_to_its_type_as_the_trainers_are(tmp_path, val
 
     with pytest.raises(UserError, match=r"data_seed: .* is not an integer"):
         resolve_args(regression, values={"output_dir": str(tmp_path), "data_seed": value})
+
+
+def _forge(folder, file, change):
+    doc = json.loads((folder / file).read_text())
+    change(doc["state"])
+    (folder / file).write_text(json.dumps(doc))
+    manifest_edit(folder, lambda m: m["files"][file].update(
+        size=(folder / file).stat().st_size, sha256=sha256(folder / file)))  # fmt: skip
+
+
+def test_latest_past_a_refused_checkpoint_names_the_one_resumed_and_keeps_its_arguments(trained, tmp_path, capsys):
+    """`latest` skipped step_8 (refused when checked against the run) and resumed step_4, but the start line said
+    "resumed from .../step_8"; and the run's arguments, taken from step_8's record, were used for step_4's run."""
+    out = copy_run(trained, tmp_path / "run")
+    _forge(out / "checkpoints" / "step_12", "scheduler.json", lambda s: s.update(base_lrs=[5.0]))
+    args = dict(output_dir=str(out), resume_from_checkpoint="latest", max_steps=12, disable_tqdm=True)
+    Trainer(regression, TrainingArguments(**args))
+    printed = capsys.readouterr()
+    start = [line for line in (printed.out + printed.err).splitlines() if line.startswith("accel-trainer: regression")]
+    assert start and start[0].endswith(f"resumed from {out / 'checkpoints' / 'step_8'}"), start
+    out = copy_run(trained, tmp_path / "run2")
+    _forge(out / "checkpoints" / "step_12", "scheduler.json", lambda s: s.update(base_lrs=[5.0]))
+    _forge(out / "checkpoints" / "step_8", "run_args.json", lambda s: s["training"].update(warmup_steps=5))
+    with pytest.raises(CheckpointError, match=r"step_8, was written with other arguments"):
+        Trainer(regression, TrainingArguments(**{**args, "output_dir": str(out)}), quiet=True)

@@ -231,6 +231,11 @@ class CheckpointManager:
                     raise ckpt_folder.CheckpointError(tried[0][1]) from None  # the newest one's reason
                 if path is None:
                     raise ckpt_folder.CheckpointError(tried[0][1]) from None
+                if ckpt_record.read(path) != ckpt_record.read(tried[0][0]):  # the run's arguments came from that one
+                    raise ckpt_folder.CheckpointError(
+                        f"{tried[0][1]} The checkpoint before it, {path}, was written with other arguments than the "
+                        f"ones this run took from it: pass --resume_from_checkpoint {path} to continue from there."
+                    ) from None
         here = {**state, "batch_in_epoch": position}  # this rank's place in the epoch on this world size
         old = state["per_device_train_batch_size"] * state["gradient_accumulation_steps"] * state["num_processes"]
         new = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * acc.num_processes
