@@ -428,3 +428,19 @@ def test_latest_past_a_refused_checkpoint_names_the_one_resumed_and_keeps_its_ar
     _forge(out / "checkpoints" / "step_8", "run_args.json", lambda s: s["training"].update(warmup_steps=5))
     with pytest.raises(CheckpointError, match=r"step_8, was written with other arguments"):
         Trainer(regression, TrainingArguments(**{**args, "output_dir": str(out)}), quiet=True)
+
+
+@pytest.mark.parametrize(
+    "value, said", [(8.0, "global_step 8.0, where an integer belongs"), (None, "global_step None")]
+)
+def test_a_counter_of_another_type_is_named_with_its_value(trained, tmp_path, value, said):
+    """ "global_step": 8.0 read "lacks global_step (integers)": the field is there, holding a float."""
+    out = copy_run(trained, tmp_path / "run")
+    folder = out / "checkpoints" / "step_12"
+    doc = json.loads((folder / "trainer_state.json").read_text())
+    doc["global_step"] = value
+    (folder / "trainer_state.json").write_text(json.dumps(doc))
+    manifest_edit(folder, lambda m: m["files"]["trainer_state.json"].update(
+        size=(folder / "trainer_state.json").stat().st_size, sha256=sha256(folder / "trainer_state.json")))  # fmt: skip
+    with pytest.raises(CheckpointError, match=said):
+        make(out, max_steps=16, resume_from_checkpoint=str(folder))

@@ -224,8 +224,14 @@ def check_state(path: str, manifest: dict | None = None) -> dict:
     state = read_json_file(path, file, 1 << 20)
     bad = [k for k in _STATE_KEYS if type(state.get(k)) is not int] if isinstance(state, dict) else ["everything"]
     if bad:
+        said = (
+            [f"{k} {str(state[k])[:40]}" if k in state else f"no {k}" for k in bad]
+            if isinstance(state, dict)
+            else [f"a {type(state).__name__}, not an object of counters"]
+        )
         raise CheckpointError(
-            f"Checkpoint {path}: {file} lacks {', '.join(bad)} (integers): not the trainer state of a checkpoint."
+            f"Checkpoint {path}: {file} holds {', '.join(said)}, where an integer belongs: not the trainer state "
+            "of a checkpoint."
         )
     step, skipped = state["global_step"], state.get("skipped_steps", 0)
     best, best_step = state.get("best_metric"), state.get("best_step")
