@@ -156,3 +156,23 @@ def test_report_draws_fields_runs_will_log(tmp_path):
         [r["elapsed_s"] for r in rows[:3]],
         [101.0, 102.0, 103.0],
     )
+
+
+# ------------------------------------------------------------------------------- a metrics file from elsewhere
+def test_report_draws_foreign_field_names_as_text_and_a_bounded_number_of_panels(tmp_path, capsys, monkeypatch):
+    """`accel-trainer report` on a metrics.jsonl someone else wrote: a '$\\frac{$' field name raised in matplotlib's
+    math parser, a lone surrogate in the file writer, 3000 fields drew 3000 panels (gigabytes), a 400-digit
+    number raised OverflowError: each was a traceback."""
+    monkeypatch.setattr(report, "MAX_PANELS", 6)  # the bound, not its value (48 panels take seconds to draw)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    many = {f"k{i}": 1.0 for i in range(30)}
+    rows = [json.dumps({"step": s, "eval_$\\frac{$": 1.0 / s, "a\ud800": 2.0, **many}) for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    drawn = report.plot_runs([str(run_dir)], str(tmp_path / "r.png"), x="step")
+    assert len({k[0] for k in drawn}) == 6 and (tmp_path / "r.png").stat().st_size > 0
+    assert {"eval_$\\frac{$", "a\ud800"} <= {k[1] for k in drawn}  # drawn, as text
+    assert "drawing the first 6" in capsys.readouterr().err
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1' + "0" * 400 + '}\n{"step": 2, "loss": 1}\n')
+    with pytest.raises(report.ReportError, match=r"metrics.jsonl:1 .*beyond the 64 bits"):
+        report.plot_runs([str(run_dir)], str(tmp_path / "r.png"), x="step")
