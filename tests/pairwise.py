@@ -38,16 +38,22 @@ def row_pairs(row: dict, names: list) -> set:
     return {((a, row[a]), (b, row[b])) for a, b in combinations(names, 2)}
 
 
-def pairwise(factors: dict, allowed=lambda row: True, cost=lambda name, value: 0) -> list[dict]:
-    """Rows (dicts factor -> value) that together hold every possible pair of values of two factors."""
+def pairwise(factors: dict, allowed=lambda row: True, cost=lambda name, value: 0, seeds=()) -> list[dict]:
+    """Rows (dicts factor -> value) that together hold every possible pair of values of two factors. `seeds`:
+    partial rows that come first, each completed like any other row (the way to place an expensive value in a few
+    rows of one's choosing: the greedy fill covers its pairs there, so no later row needs it)."""
     names = list(factors)
     order = {((a, va), (b, vb)): (names.index(a), factors[a].index(va), names.index(b), factors[b].index(vb))
              for a, b in combinations(names, 2) for va in factors[a] for vb in factors[b]}  # fmt: skip
     uncovered, _ = possible_pairs(factors, allowed)
-    rows = []
+    rows, seeds = [], list(seeds)
     while uncovered:
-        (a, va), (b, vb) = min(uncovered, key=order.__getitem__)
-        row = {a: va, b: vb}
+        if seeds:
+            row = dict(seeds.pop(0))
+            assert _completable(row, names, factors, allowed), f"seed {row} cannot be completed"
+        else:
+            (a, va), (b, vb) = min(uncovered, key=order.__getitem__)
+            row = {a: va, b: vb}
         for name in names:
             if name in row:
                 continue

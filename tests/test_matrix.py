@@ -112,7 +112,16 @@ def cost(name, value) -> int:
             ("world", "ddp"): 1, ("world", "fsdp"): 1}.get((name, value), 0)  # fmt: skip
 
 
-ROWS = pairwise(FACTORS, allowed, cost)
+# torch.compile is most of the matrix's time (a cold compile in every process of a row, again on a new world size):
+# its pairs are covered in the fewest rows that can hold them (4: one per model and per lifecycle), each a seed the
+# generator completes, with the cheapest model where a resume compiles for a second world (docs/benchmarks.md).
+COMPILE_ROWS = [
+    {"compile": True, "model": "reg", "lifecycle": "world"},
+    {"compile": True, "model": "cifar", "lifecycle": "plain", "world": "1", "sync_bn": True},
+    {"compile": True, "model": "gpt2", "lifecycle": "kill"},
+    {"compile": True, "model": "bert", "lifecycle": "elastic"},
+]
+ROWS = pairwise(FACTORS, allowed, cost, seeds=COMPILE_ROWS)
 MAX_STEPS, SAVE_STEPS, FAULT_AT = 6, 2, 3  # checkpoints at 2, 4, 6; faults after update 3: resume from step 2
 LOOSE = dict(rtol=5e-2, atol=5e-2)
 BATCHNORM_WORLD = dict(rtol=0.2, atol=0.2)  # another trajectory, not another rounding: only "close" is promised

@@ -4,18 +4,19 @@ valid, the same factors give the same rows, and pairs no valid row can hold are 
 from itertools import combinations
 
 from pairwise import pairwise, possible_pairs, row_pairs
-from test_matrix import FACTORS, allowed, cost
+from test_matrix import COMPILE_ROWS, FACTORS, ROWS, allowed, cost
 
 
-def check(factors, allowed=lambda row: True, cost=lambda n, v: 0):
-    rows = pairwise(factors, allowed, cost)
+def check(factors, allowed=lambda row: True, cost=lambda n, v: 0, seeds=()):
+    rows = pairwise(factors, allowed, cost, seeds)
     names = list(factors)
     assert all(set(r) == set(names) and all(r[n] in factors[n] for n in names) for r in rows)
     assert all(allowed(r) for r in rows)
     possible, impossible = possible_pairs(factors, allowed)
     covered = set().union(*(row_pairs(r, names) for r in rows))
     assert possible <= covered and not covered & impossible
-    assert rows == pairwise(factors, allowed, cost)  # deterministic
+    assert rows == pairwise(factors, allowed, cost, seeds)  # deterministic
+    assert all(rows[i].items() >= seed.items() for i, seed in enumerate(seeds))  # each seed is a row, completed
     return rows, possible, impossible
 
 
@@ -39,5 +40,7 @@ def test_constraints_are_kept_and_impossible_pairs_named():
 
 
 def test_the_matrix_of_test_matrix_covers_every_possible_pair():
-    rows, possible, impossible = check(FACTORS, allowed, cost)
-    assert len(rows) < 30 and len(possible) > 500
+    rows, possible, impossible = check(FACTORS, allowed, cost, COMPILE_ROWS)
+    assert rows == ROWS and len(rows) < 30 and len(possible) > 500
+    # torch.compile's pairs are all held by its seeded rows: no other row compiles
+    assert [r for r in rows if r["compile"]] == rows[: len(COMPILE_ROWS)]
